@@ -1,0 +1,40 @@
+"""Benchmarks: `python -m espo_jax.bench NAME [--quick] [--out FILE.json]`.
+
+Each benchmark is a module `espo_jax.bench.<name>` with `run(quick: bool) -> dict`. It measures
+things side by side in one process (this against that, same inputs, medians of repeats), prints
+a table, and returns its figures; the runner writes them to `--out` as JSON.
+"""
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+NAMES = ("model", "buffer", "engine", "zve", "learner")
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall seconds of `fn()` over `repeats` calls after `warmup` untimed calls.
+
+    `fn` must block until its work is done (e.g. call `jax.block_until_ready`).
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (pasteable into the README)."""
+
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Tokenizers: a fixed character vocabulary for synthetic tasks, and Hugging Face
+`tokenizer.json` files (through `tokenizers`) for real models.
+
+Both expose the same small interface: `encode(text) -> list[int]`, `decode(ids) -> str`,
+`vocab_size`, and the ids `pad_id`, `bos_id`, `eos_id`.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Sequence
+
+# Printable ASCII without the rarely useful whitespace variants: digits, letters, punctuation,
+# space and newline. Three special ids come first.
+_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+_SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+class CharTokenizer:
+    """One id per character; pad=0, bos=1, eos=2. Unknown characters raise."""
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+
+    def __init__(self, chars: str = _CHARS):
+        if len(set(chars)) != len(chars):
+            raise ValueError("CharTokenizer: duplicate characters in the vocabulary")
+        self._chars = chars
+        self._to_id = {c: i + len(_SPECIALS) for i, c in enumerate(chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._chars) + len(_SPECIALS)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        try:
+            ids = [self._to_id[c] for c in text]
+        except KeyError as e:
+            msg = f"CharTokenizer: character {e.args[0]!r} is not in the vocabulary"
+            raise ValueError(msg) from None
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def decode(self, ids: Sequence[int], *, stop_at_eos: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id and stop_at_eos:
+                break
+            if i < len(_SPECIALS):
+                continue
+            out.append(self._chars[i - len(_SPECIALS)])
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (file or model directory) through `tokenizers`."""
+
+    def __init__(self, path: str, *, pad: str | None = None, bos: str | None = None,
+                 eos: str | None = None):
+        import tokenizers
+
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"HFTokenizer: no tokenizer.json at {path}")
+        self._tok = tokenizers.Tokenizer.from_file(path)
+
+        def find(name: str | None, candidates: Sequence[str]) -> int:
+            for c in ([name] if name else []) + list(candidates):
+                i = self._tok.token_to_id(c)
+                if i is not None:
+                    return i
+            return -1
+
+        self.eos_id = find(eos, ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>"))
+        self.bos_id = find(bos, ("<|im_start|>", "<s>", "<bos>"))
+        self.pad_id = find(pad, ("<|endoftext|>", "<pad>", "</s>"))
+        if self.eos_id < 0:
+            raise ValueError(f"HFTokenizer: no end-of-sequence token found in {path}")
+        if self.pad_id < 0:
+            self.pad_id = self.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        bos = [self.bos_id] if add_bos and self.bos_id >= 0 else []
+        return bos + ids + ([self.eos_id] if add_eos else [])
+
+    def decode(self, ids: Sequence[int], *, stop_at_eos: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if stop_at_eos and self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(spec: str):
+    """`"char"` for the character tokenizer, else a path to a Hugging Face tokenizer."""
+    if spec == "char":
+        return CharTokenizer()
+    return HFTokenizer(spec)

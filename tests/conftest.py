@@ -1,0 +1,18 @@
+"""Test set-up shared by every module.
+
+Eight fake CPU devices (set before JAX is imported) so sharding tests run anywhere, and a
+persistent compilation cache outside the repository so repeated CI runs compile once.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/espo_jax/jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
