@@ -7,6 +7,7 @@ Both expose the same small interface: `encode(text) -> list[int]`, `decode(ids) 
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from collections.abc import Sequence
@@ -41,9 +42,12 @@ class CharTokenizer:
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
     def decode(self, ids: Sequence[int], *, stop_at_eos: bool = True) -> str:
+        """Text of `ids`; special ids are dropped, and decoding stops at eos if `stop_at_eos`."""
         out = []
         for i in ids:
             i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"CharTokenizer: id {i} is outside [0, {self.vocab_size})")
             if i == self.eos_id and stop_at_eos:
                 break
             if i < len(_SPECIALS):
@@ -53,7 +57,13 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json` (file or model directory) through `tokenizers`."""
+    """A Hugging Face `tokenizer.json` (file or model directory) through `tokenizers`.
+
+    Special tokens: explicit `pad`/`bos`/`eos` names (which must exist), else the
+    `pad_token`/`bos_token`/`eos_token` of a `tokenizer_config.json` next to the file, else the
+    first of the usual names found in the vocabulary. No eos is an error; no pad falls back to
+    eos; no bos gives `bos_id == -1` (Qwen models have none) and `add_bos` then adds nothing.
+    """
 
     def __init__(self, path: str, *, pad: str | None = None, bos: str | None = None,
                  eos: str | None = None):
@@ -64,17 +74,24 @@ class HFTokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"HFTokenizer: no tokenizer.json at {path}")
         self._tok = tokenizers.Tokenizer.from_file(path)
+        tok_config = _special_tokens(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
 
-        def find(name: str | None, candidates: Sequence[str]) -> int:
-            for c in ([name] if name else []) + list(candidates):
+        def find(kind: str, name: str | None, candidates: Sequence[str]) -> int:
+            if name:
+                i = self._tok.token_to_id(name)
+                if i is None:
+                    raise ValueError(f"HFTokenizer: {kind} token {name!r} is not in {path}")
+                return i
+            configured = [tok_config[kind]] if kind in tok_config else []
+            for c in configured + list(candidates):
                 i = self._tok.token_to_id(c)
                 if i is not None:
                     return i
             return -1
 
-        self.eos_id = find(eos, ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>"))
-        self.bos_id = find(bos, ("<|im_start|>", "<s>", "<bos>"))
-        self.pad_id = find(pad, ("<|endoftext|>", "<pad>", "</s>"))
+        self.eos_id = find("eos", eos, ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>"))
+        self.bos_id = find("bos", bos, ("<s>", "<bos>"))
+        self.pad_id = find("pad", pad, ("<|endoftext|>", "<pad>", "</s>"))
         if self.eos_id < 0:
             raise ValueError(f"HFTokenizer: no end-of-sequence token found in {path}")
         if self.pad_id < 0:
@@ -96,7 +113,23 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(spec: str):
+def _special_tokens(config_path: str) -> dict[str, str]:
+    """{"pad"|"bos"|"eos": token} from a Hugging Face tokenizer_config.json, if it exists."""
+    if not os.path.exists(config_path):
+        return {}
+    with open(config_path) as f:
+        config = json.load(f)
+    out = {}
+    for kind in ("pad", "bos", "eos"):
+        token = config.get(f"{kind}_token")
+        if isinstance(token, dict):  # older files: {"content": "<|endoftext|>", ...}
+            token = token.get("content")
+        if token:
+            out[kind] = token
+    return out
+
+
+def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
     """`"char"` for the character tokenizer, else a path to a Hugging Face tokenizer."""
     if spec == "char":
         return CharTokenizer()
