@@ -1,0 +1,147 @@
+"""RewardPool with real worker processes and threads: scoring, failures, timeouts, overlap.
+
+The reward functions live at module level so the process backend can pickle them by name; this
+module imports no JAX, so a worker that imports it starts fast.
+"""
+
+import os
+import time
+
+import pytest
+
+from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.rewards import pool as pool_lib
+
+
+def exact_match(text, answer):
+    """Correct iff the text is the answer; also a 'hang', 'spin', 'raise', 'exit' switchboard."""
+    if text == "hang":
+        time.sleep(120)
+    if text == "spin":
+        while True:  # a CPU-bound hang: only killing the process stops it
+            pass
+    if text == "raise":
+        raise ValueError("bad response")
+    if text == "exit":
+        os._exit(3)
+    if text == "string":
+        return "yes"
+    if text == "shaped":
+        return {"reward": 0.25, "outcome": False, "length": 6.0}
+    return text == answer
+
+
+def sleepy(text, answer):
+    time.sleep(0.4)
+    return 1.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with pool_lib.RewardPool(exact_match, num_workers=2, timeout_s=1.0) as p:
+        yield p
+
+
+def test_scores_in_index_order(pool):
+    for i, text in enumerate(["42", "41", "shaped"]):
+        pool.submit("g0", i, text, "42")
+    out = pool.wait_group("g0", 3, timeout=30)
+    assert [r.response_idx for r in out] == [0, 1, 2]
+    assert [(r.reward, r.outcome) for r in out] == [(1.0, True), (0.0, False), (0.25, False)]
+    assert out[2].components == {"length": 6.0}
+    assert not any(r.failed for r in out)
+
+
+def test_raising_and_bad_return_are_failed_rewards(pool):
+    before = pool.metrics()
+    pool.submit("g1", 0, "raise", "x")
+    pool.submit("g1", 1, "string", "x")
+    pool.submit("g1", 2, "x", "x")
+    out = pool.wait_group("g1", 3, timeout=30)
+    assert out[0].failed and "ValueError: bad response" in out[0].error
+    assert out[1].failed and "TypeError" in out[1].error and "str" in out[1].error
+    assert (out[0].reward, out[0].outcome) == (0.0, False)
+    assert not out[2].failed and out[2].outcome
+    after = pool.metrics()
+    assert after["reward/errors"] - before["reward/errors"] == 2
+    assert after["reward/failed"] - before["reward/failed"] == 2
+    assert after["reward/worker_restarts"] == before["reward/worker_restarts"]  # not needed
+
+
+@pytest.mark.parametrize("hang", ["hang", "spin"])
+def test_hang_times_out_and_the_worker_is_replaced(pool, hang):
+    before = pool.metrics()
+    start = time.monotonic()
+    pool.submit(f"g-{hang}", 0, hang, "a")
+    pool.submit(f"g-{hang}", 1, "a", "a")
+    out = pool.wait_group(f"g-{hang}", 2, timeout=30)
+    elapsed = time.monotonic() - start
+    assert out[0].failed and out[0].timed_out and "exceeded 1.0 s" in out[0].error
+    assert not out[1].failed and out[1].outcome  # the other worker went on scoring
+    assert 1.0 <= elapsed < 15.0  # the 120 s sleep / endless loop was cut at the 1 s timeout
+    after = pool.metrics()
+    assert after["reward/timeouts"] - before["reward/timeouts"] == 1
+    assert after["reward/worker_restarts"] - before["reward/worker_restarts"] == 1
+    # The replacement worker scores new work.
+    pool.submit(f"g-{hang}-after", 0, "b", "b")
+    assert pool.wait_group(f"g-{hang}-after", 1, timeout=30)[0].outcome
+
+
+def test_worker_death_is_a_failed_reward(pool):
+    pool.submit("g-exit", 0, "exit", "a")
+    out = pool.wait_group("g-exit", 1, timeout=30)[0]
+    assert out.failed and "WorkerDied" in out.error
+    pool.submit("g-exit", 0, "a", "a")  # collected, so the same key may be submitted again
+    assert pool.wait_group("g-exit", 1, timeout=30)[0].outcome
+
+
+def test_duplicate_submission_is_rejected(pool):
+    pool.submit("g-dup", 0, "a", "a")
+    with pytest.raises(ValueError, match="submitted twice"):
+        pool.submit("g-dup", 0, "a", "a")
+    pool.wait_group("g-dup", 1, timeout=30)
+
+
+def test_tokens_are_detokenized_in_the_workers():
+    tok = CharTokenizer()
+    with pool_lib.RewardPool(exact_match, num_workers=1, detokenize=tok.decode) as p:
+        p.submit(7, 0, tok.encode("12") + [tok.eos_id, 5], "12")  # decode stops at eos
+        p.submit(7, 1, tok.encode("13"), "12")
+        assert [r.outcome for r in p.wait_group(7, 2, timeout=30)] == [True, False]
+
+
+def test_submit_does_not_block_and_workers_overlap():
+    with pool_lib.RewardPool(sleepy, num_workers=2, timeout_s=10) as p:
+        p.submit("warm", 0, "", None)
+        p.wait_group("warm", 1, timeout=30)
+        start = time.monotonic()
+        for i in range(4):
+            p.submit("g", i, "", None)
+        submit_s = time.monotonic() - start
+        p.wait_group("g", 4, timeout=30)
+        total_s = time.monotonic() - start
+    assert submit_s < 0.2  # 4 x 0.4 s of work queued without waiting for any of it
+    # 2 workers x 2 rounds of 0.4 s = 0.8 s; serial would be 1.6 s.
+    assert 0.8 <= total_s < 1.5
+
+
+def test_thread_backend_abandons_a_hung_thread():
+    with pool_lib.RewardPool(exact_match, num_workers=1, timeout_s=0.5, backend="thread") as p:
+        p.submit("t", 0, "hang", "a")
+        p.submit("t", 1, "a", "a")  # runs on the replacement thread
+        out = p.wait_group("t", 2, timeout=30)
+        assert out[0].timed_out and out[1].outcome
+        assert p.metrics()["reward/worker_restarts"] == 1
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        pool_lib.RewardPool(exact_match, backend="gpu")
+    with pytest.raises(ValueError, match="num_workers"):
+        pool_lib.RewardPool(exact_match, num_workers=0)
+    with pytest.raises(TypeError, match="'reward' and 'outcome'"):
+        pool_lib.normalize_reward({"reward": 1.0})
+    p = pool_lib.RewardPool(exact_match, num_workers=1, backend="thread")
+    p.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        p.submit("g", 0, "a", "a")
