@@ -1,0 +1,110 @@
+"""Group-relative advantages from rewards `[N, G]` (N prompts, G responses each).
+
+Small `jnp` functions, each with its formula. `rl_zvp` is MS-ZVE's actor-update stage: groups
+whose rewards carry no contrast get entropy-shaped per-token advantages instead of zeros.
+Shapes: N prompt groups, G responses per group, T token positions.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def grpo(rewards_NxG: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """A_i = (R_i - mean_j R_j) / (std_j R_j + eps), std over the group with ddof=0.
+
+    A zero-variance group gets A = 0 exactly (numerator 0).
+    """
+    r = jnp.asarray(rewards_NxG, jnp.float32)
+    centred = r - r.mean(axis=-1, keepdims=True)
+    return centred / (r.std(axis=-1, keepdims=True) + eps)
+
+
+def dr_grpo(rewards_NxG: jax.Array) -> jax.Array:
+    """Dr. GRPO: A_i = R_i - mean_j R_j (no std division, which biases towards easy/hard groups)."""
+    r = jnp.asarray(rewards_NxG, jnp.float32)
+    return r - r.mean(axis=-1, keepdims=True)
+
+
+def rloo(rewards_NxG: jax.Array) -> jax.Array:
+    """Leave-one-out baseline: A_i = R_i - mean_{j != i} R_j = G/(G-1) * (R_i - mean_j R_j)."""
+    r = jnp.asarray(rewards_NxG, jnp.float32)
+    g = r.shape[-1]
+    if g < 2:
+        raise ValueError(f"rloo needs at least 2 responses per group, got G={g}")
+    return (r - r.mean(axis=-1, keepdims=True)) * (g / (g - 1))
+
+
+ADVANTAGES: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+}
+
+
+def zero_variance_mask(values_NxG: jax.Array, atol: float = 0.0) -> jax.Array:
+    """Bool `[N]`: True where every response of the group has the same value (max - min <= atol).
+
+    Pass binary outcomes for MS-ZVE filtering (never a shaped score), rewards to ask whether
+    group normalisation has any contrast left.
+    """
+    v = jnp.asarray(values_NxG, jnp.float32)
+    return (v.max(axis=-1) - v.min(axis=-1)) <= atol
+
+
+def rl_zvp(
+    rewards_NxG: jax.Array,
+    outcomes_NxG: jax.Array,
+    entropy_NxGxT: jax.Array,
+    mask_NxGxT: jax.Array,
+    alpha: float,
+    *,
+    base: str = "grpo",
+) -> jax.Array:
+    """RL-ZVP per-token advantages `[N, G, T]` (arXiv 2509.21880, Eq. 5).
+
+    A group is zero-variance when its rewards are all equal (no contrast for `base`) and its
+    outcomes are all equal; then, with H the (old-policy) token entropy, constant here:
+      all correct (outcome > 0):  A_t = +alpha * sg(H_t)
+      all wrong:                  A_t = -alpha * (max_{t' in y_i} H_t' - sg(H_t))
+    Every other group gets ADVANTAGES[base](rewards) broadcast over its tokens. Masked tokens
+    get 0. A group whose shaped rewards differ (MS-ZVE stage 2 broke the tie) is not zero-variance.
+    """
+    if base not in ADVANTAGES:
+        raise ValueError(f"unknown base advantage {base!r}; valid: {sorted(ADVANTAGES)}")
+    if entropy_NxGxT.shape != mask_NxGxT.shape or entropy_NxGxT.shape[:2] != rewards_NxG.shape:
+        raise ValueError(
+            f"expected rewards [N, G], entropy and mask [N, G, T]; got {rewards_NxG.shape}, "
+            f"{entropy_NxGxT.shape}, {mask_NxGxT.shape}"
+        )
+    if outcomes_NxG.shape != rewards_NxG.shape:
+        raise ValueError(f"outcomes {outcomes_NxG.shape} must match rewards {rewards_NxG.shape}")
+    valid = mask_NxGxT > 0
+    h = jnp.where(valid, jax.lax.stop_gradient(entropy_NxGxT.astype(jnp.float32)), 0.0)
+    correct = outcomes_NxG > 0
+    zv = zero_variance_mask(rewards_NxG) & zero_variance_mask(correct)
+    all_correct = (zv & correct.all(axis=-1))[:, None, None]
+    all_wrong = (zv & ~correct.any(axis=-1))[:, None, None]
+    h_max = jnp.where(valid, h, -jnp.inf).max(axis=-1, keepdims=True)
+    h_max = jnp.where(jnp.isfinite(h_max), h_max, 0.0)
+    base_adv = ADVANTAGES[base](rewards_NxG)[:, :, None]
+    adv = jnp.where(all_correct, alpha * h, jnp.where(all_wrong, -alpha * (h_max - h), base_adv))
+    return jnp.where(valid, adv, 0.0)
+
+
+def overlong_penalty(lengths: jax.Array, max_len: int, cache_len: int) -> jax.Array:
+    """DAPO soft overlong punishment, added to the reward of each response:
+
+    0                                 if |y| <= L_max - L_cache
+    ((L_max - L_cache) - |y|) / L_cache   if L_max - L_cache < |y| <= L_max
+    -1                                if |y| > L_max
+    """
+    if not 0 < cache_len <= max_len:
+        raise ValueError(
+            f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}"
+        )
+    n = jnp.asarray(lengths, jnp.float32)
+    soft = max_len - cache_len
+    ramp = (soft - n) / cache_len
+    return jnp.where(n <= soft, 0.0, jnp.where(n <= max_len, ramp, -1.0))
