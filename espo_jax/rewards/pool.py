@@ -76,6 +76,7 @@ def normalize_reward(value: Any) -> tuple[float, bool, dict[str, float]]:
 
 def _serve(conn: Connection, reward_fn: Callable, detokenize: Callable | None) -> None:
     """Worker loop (process or thread): receive (task_id, text, answer), send back the score."""
+    conn.send("ready")  # timeouts count from here, not from a slow process start
     while True:
         try:
             msg = conn.recv()
@@ -113,6 +114,7 @@ class _Worker:
         if backend == "process":
             child.close()  # the parent's copy; the child keeps its own
         self.backend = backend
+        self.ready = False  # set when the worker has started and said so
         self.task: tuple | None = None  # (task_id, group_id, response_idx)
         self.deadline = 0.0
 
@@ -151,6 +153,11 @@ class RewardPool:
             raise ValueError(f"RewardPool: timeout_s must be > 0, got {timeout_s}")
         self._make_worker = lambda: _Worker(backend, self._ctx, reward_fn, detokenize)
         self._ctx = mp.get_context(start_method) if backend == "process" else None
+        if backend == "process" and start_method == "forkserver":
+            # Workers fork from a server that has already imported the reward and detokenize
+            # code (takes effect when this process starts its forkserver: for the first pool).
+            modules = {getattr(f, "__module__", None) for f in (reward_fn, detokenize)}
+            self._ctx.set_forkserver_preload(sorted(m for m in modules if m and m != "__main__"))
         self.timeout_s = float(timeout_s)
         self.failed_reward = float(failed_reward)
         self._lock = threading.Condition()
@@ -288,7 +295,7 @@ class RewardPool:
         while True:
             with self._lock:
                 for w in self._workers:
-                    if w.task is None and self._pending:
+                    if w.ready and w.task is None and self._pending:
                         task_id, group_id, idx, text, answer = self._pending.popleft()
                         w.task = (task_id, group_id, idx)
                         w.deadline = time.monotonic() + self.timeout_s
@@ -298,14 +305,25 @@ class RewardPool:
                     return
             now = time.monotonic()
             left = min((w.deadline - now for w in busy), default=None)
-            ready = wait([self._wake_r] + [w.conn for w in busy], timeout=left)
-            if self._wake_r in ready:
+            booting = [w.conn for w in self._workers if not w.ready]
+            readable = wait([self._wake_r] + booting + [w.conn for w in busy], timeout=left)
+            if self._wake_r in readable:
                 while self._wake_r.poll():
                     self._wake_r.recv_bytes()
             for i, w in enumerate(self._workers):
+                if not w.ready and w.conn in readable:
+                    try:
+                        w.ready = w.conn.recv() == "ready"
+                    except (EOFError, OSError):
+                        raise RuntimeError(
+                            "RewardPool: a worker died while starting; the reward function and "
+                            "detokenize must be importable by name (module-level) for the "
+                            "process backend"
+                        ) from None
+                    continue
                 if w.task is None:
                     continue
-                if w.conn in ready:
+                if w.conn in readable:
                     try:
                         _, (status, payload), seconds = w.conn.recv()
                     except (EOFError, OSError):

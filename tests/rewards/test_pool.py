@@ -1,39 +1,15 @@
 """RewardPool with real worker processes and threads: scoring, failures, timeouts, overlap.
 
-The reward functions live at module level so the process backend can pickle them by name; this
-module imports no JAX, so a worker that imports it starts fast.
+The reward functions live in `reward_pool_fns` (no heavy imports) so process workers that import
+them by name start fast.
 """
 
-import os
 import time
 
 import pytest
+from reward_pool_fns import decode_until_zero, exact_match, sleepy
 
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards import pool as pool_lib
-
-
-def exact_match(text, answer):
-    """Correct iff the text is the answer; also a 'hang', 'spin', 'raise', 'exit' switchboard."""
-    if text == "hang":
-        time.sleep(120)
-    if text == "spin":
-        while True:  # a CPU-bound hang: only killing the process stops it
-            pass
-    if text == "raise":
-        raise ValueError("bad response")
-    if text == "exit":
-        os._exit(3)
-    if text == "string":
-        return "yes"
-    if text == "shaped":
-        return {"reward": 0.25, "outcome": False, "length": 6.0}
-    return text == answer
-
-
-def sleepy(text, answer):
-    time.sleep(0.4)
-    return 1.0
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +79,13 @@ def test_duplicate_submission_is_rejected(pool):
 
 
 def test_tokens_are_detokenized_in_the_workers():
-    tok = CharTokenizer()
-    with pool_lib.RewardPool(exact_match, num_workers=1, detokenize=tok.decode) as p:
-        p.submit(7, 0, tok.encode("12") + [tok.eos_id, 5], "12")  # decode stops at eos
-        p.submit(7, 1, tok.encode("13"), "12")
+    with pool_lib.RewardPool(exact_match, num_workers=1, detokenize=decode_until_zero) as p:
+        p.submit(7, 0, [1, 2, 0, 5], "12")  # decoding stops at 0
+        p.submit(7, 1, [1, 3], "12")
         assert [r.outcome for r in p.wait_group(7, 2, timeout=30)] == [True, False]
+    with pool_lib.RewardPool(exact_match, num_workers=1, backend="thread") as p:
+        p.submit(8, 0, [1, 2], "12")  # tokens but no detokenize: a failed reward that says so
+        assert "no detokenize" in p.wait_group(8, 1, timeout=30)[0].error
 
 
 def test_submit_does_not_block_and_workers_overlap():

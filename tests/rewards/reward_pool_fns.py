@@ -1,0 +1,38 @@
+"""Reward functions for test_pool.py, in a module without heavy imports: process-pool workers
+import it by name, so they start fast."""
+
+import os
+import time
+
+
+def exact_match(text, answer):
+    """Correct iff the text is the answer; also a 'hang', 'spin', 'raise', 'exit' switchboard."""
+    if text == "hang":
+        time.sleep(120)
+    if text == "spin":
+        while True:  # a CPU-bound hang: only killing the process stops it
+            pass
+    if text == "raise":
+        raise ValueError("bad response")
+    if text == "exit":
+        os._exit(3)
+    if text == "string":
+        return "yes"
+    if text == "shaped":
+        return {"reward": 0.25, "outcome": False, "length": 6.0}
+    return text == answer
+
+
+def sleepy(text, answer):
+    time.sleep(0.4)
+    return 1.0
+
+
+def decode_until_zero(ids):
+    """A stand-in detokenizer: digits, stopping at id 0 (an eos)."""
+    out = []
+    for i in ids:
+        if i == 0:
+            break
+        out.append(str(i))
+    return "".join(out)
