@@ -1,0 +1,407 @@
+"""Hugging Face interop: read and write Qwen3-MoE / Qwen2-MoE checkpoint directories.
+
+A Hugging Face directory holds `config.json` and either `model.safetensors` or shards listed in
+`model.safetensors.index.json`. `from_pretrained` turns one into `(ModelConfig, params)` in the
+parameter tree of `espo_jax.models` (the model contract); `save_pretrained` writes the reverse,
+which `transformers.AutoModelForCausalLM.from_pretrained` and vLLM load.
+
+Conventions crossed here:
+- HF `nn.Linear` weights are [out, in]; our kernels are [in, out] (transposed both ways).
+- Experts are separate tensors on disk, `mlp.experts.{j}.{gate,up,down}_proj.weight` (what
+  transformers 5.x `save_pretrained` writes and vLLM expects); we stack them into `wi_gate`,
+  `wi_up` [E, D, F] and `wo` [E, F, D]. The fused in-memory layout of transformers 5.x
+  (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]) is also read.
+- Tensors are read one at a time (`safe_open`), so a checkpoint never needs twice its size in
+  host memory; pass `shardings` to place each parameter on devices as soon as it is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from espo_jax.models.config import ModelConfig
+
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size", "num_experts_per_tok", "moe_intermediate_size")
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
+# ---- config.json <-> ModelConfig -------------------------------------------------------------
+def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConfig:
+    """A `ModelConfig` from a parsed Hugging Face `config.json` (qwen3_moe or qwen2_moe)."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r} (architectures "
+                         f"{hf.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
+    missing = [k for k in _REQUIRED if k not in hf]
+    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if n_experts is None:
+        missing.append("num_experts")
+    if missing:
+        raise ValueError(f"config.json ({model_type}) lacks required fields: {missing}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' (SwiGLU)")
+    if hf.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported (full attention only)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"unsupported RoPE scaling {rope}; only the default RoPE")
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    qwen3 = model_type == "qwen3_moe"
+    if qwen3 and hf.get("attention_bias", False):
+        raise ValueError("qwen3_moe with attention_bias=True (bias on o_proj) is not supported")
+    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    step = hf.get("decoder_sparse_step", 1)
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    moe_layers = tuple(i for i in range(n_layers)
+                       if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)
+    moe_every = _moe_every_for(moe_layers, n_layers)
+    shared = 0 if qwen3 else hf.get("shared_expert_intermediate_size", 5632)
+    if dtype is None:
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        dtype = dtype if dtype in _NP_DTYPES else "float32"
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        d_ff=hf["intermediate_size"], n_experts=max(n_experts, 1),
+        top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+        moe_every=moe_every, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_d_ff=shared, qk_norm=qwen3,
+        qkv_bias=False if qwen3 else bool(hf.get("qkv_bias", True)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=float(rope_theta),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_seq_len=hf.get("max_position_embeddings", 32768),
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        init_std=float(hf.get("initializer_range", 0.02)), dtype=dtype, param_dtype=dtype,
+    )
+
+
+def _moe_every_for(moe_layers: tuple[int, ...], n_layers: int) -> int:
+    """The `moe_every` whose MoE layers are exactly `moe_layers`, or a ValueError."""
+    for n in range(n_layers + 1):
+        if tuple(i for i in range(n_layers) if n and (i + 1) % n == 0) == moe_layers:
+            return n
+    raise ValueError(f"MoE layers {list(moe_layers)} of {n_layers} (from decoder_sparse_step and "
+                     "mlp_only_layers) are not a pattern ModelConfig.moe_every can express")
+
+
+def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, Any]:
+    """The Hugging Face `config.json` dict for `config` (Qwen3-MoE, or Qwen2-MoE when it has a
+    shared expert and no q/k norm). Raises for combinations no HF architecture has."""
+    c = config
+    if c.qk_norm and (c.qkv_bias or c.shared_expert_d_ff):
+        raise ValueError("no Hugging Face architecture has q/k norm together with qkv_bias or a "
+                         "shared expert (Qwen3-MoE: q/k norm; Qwen2-MoE: bias + shared expert)")
+    if not c.qk_norm and not c.shared_expert_d_ff:
+        raise ValueError("a config without q/k norm maps to Qwen2-MoE, which needs a shared "
+                         "expert (shared_expert_d_ff > 0)")
+    model_type = "qwen3_moe" if c.qk_norm else "qwen2_moe"
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "intermediate_size": c.d_ff, "num_experts": c.n_experts,
+        "num_experts_per_tok": c.top_k, "moe_intermediate_size": c.d_expert,
+        # moe_every == 0 (dense model) is written as every layer in mlp_only_layers.
+        "decoder_sparse_step": max(c.moe_every, 1),
+        "mlp_only_layers": [] if c.moe_every else list(range(c.n_layers)),
+        "norm_topk_prob": c.norm_topk_prob, "tie_word_embeddings": c.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rms_norm_eps": c.rms_eps, "max_position_embeddings": c.max_seq_len,
+        "router_aux_loss_coef": c.aux_loss_coef, "initializer_range": c.init_std,
+        "hidden_act": "silu", "use_sliding_window": False, "attention_dropout": 0.0,
+        "dtype": dtype,
+    }
+    if model_type == "qwen3_moe":
+        hf["attention_bias"] = False
+    else:
+        hf["qkv_bias"] = c.qkv_bias
+        hf["shared_expert_intermediate_size"] = c.shared_expert_d_ff
+    return hf
+
+
+# ---- the name map ------------------------------------------------------------------------------
+# One entry per parameter leaf: (path in params, HF tensor names, to_hf, from_hf). `to_hf` maps our
+# array to the list of HF arrays (one per name); `from_hf` maps an HF-array getter to ours.
+Getter = Callable[[str], np.ndarray]
+
+
+def _linear(path: tuple[str, ...], name: str, bias: bool = False) -> list[tuple]:
+    """An HF `nn.Linear` ([out, in] weight, optional bias) <-> our [in, out] kernel."""
+    w = name + ".weight"
+    out = [(path + ("kernel",), [w], lambda x: [x.T], lambda get: get(w).T)]
+    if bias:
+        out.append(_copy(path + ("bias",), name + ".bias"))
+    return out
+
+
+def _copy(path: tuple[str, ...], name: str) -> tuple:
+    return (path, [name], lambda w: [w], lambda get: get(name))
+
+
+def _experts(path: tuple[str, ...], prefix: str, proj: str, n_experts: int) -> tuple:
+    """A stacked expert weight <-> per-expert HF Linear weights (`{prefix}.{j}.{proj}.weight`)."""
+    names = [f"{prefix}.{j}.{proj}.weight" for j in range(n_experts)]
+    return (path, names, lambda w: [w[j].T for j in range(n_experts)],
+            lambda get: np.stack([get(n).T for n in names]))
+
+
+def param_map(config: ModelConfig) -> list[tuple]:
+    """The full map between our parameter tree and HF tensor names for `config`."""
+    entries = [_copy(("embed", "embedding"), "model.embed_tokens.weight")]
+    for i in range(config.n_layers):
+        p, hf = f"layers_{i}", f"model.layers.{i}"
+        entries.append(_copy((p, "attn_norm", "scale"), f"{hf}.input_layernorm.weight"))
+        entries.append(_copy((p, "mlp_norm", "scale"), f"{hf}.post_attention_layernorm.weight"))
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            bias = config.qkv_bias and proj != "o_proj"
+            entries += _linear((p, "attn", proj), f"{hf}.self_attn.{proj}", bias)
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                entries.append(_copy((p, "attn", norm, "scale"), f"{hf}.self_attn.{norm}.weight"))
+        if config.is_moe_layer(i):
+            m = (p, "moe")
+            entries += _linear(m + ("router",), f"{hf}.mlp.gate")
+            for ours, proj in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
+                entries.append(_experts(m + (ours,), f"{hf}.mlp.experts", proj, config.n_experts))
+            if config.shared_expert_d_ff:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"{hf}.mlp.shared_expert.{proj}"
+                    entries += _linear(m + ("shared_expert", proj), name)
+                entries += _linear(m + ("shared_expert_gate",), f"{hf}.mlp.shared_expert_gate")
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                entries += _linear((p, "mlp", proj), f"{hf}.mlp.{proj}")
+    entries.append(_copy(("final_norm", "scale"), "model.norm.weight"))
+    if not config.tie_embeddings:
+        entries += _linear(("lm_head",), "lm_head")
+    return entries
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            raise KeyError(f"params has no entry {'/'.join(path)}")
+        tree = tree[key]
+    return tree
+
+
+# ---- reading -------------------------------------------------------------------------------------
+class _TensorReader:
+    """Tensors of a checkpoint directory by name, one at a time, opening shards lazily."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+            with safe_open(os.path.join(path, SINGLE_FILE), framework="numpy") as f:
+                weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+        else:
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+        self.path, self.weight_map, self.used = path, weight_map, set()
+        self._files: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.weight_map:
+            raise KeyError(name)
+        file = self.weight_map[name]
+        if file not in self._files:
+            self._files[file] = safe_open(os.path.join(self.path, file), framework="numpy")
+        self.used.add(name)
+        return self._files[file].get_tensor(name)
+
+
+def _fused_getter(reader: _TensorReader, config: ModelConfig) -> Getter:
+    """Serves per-expert names from the fused transformers 5.x layout when a file uses it."""
+    f = config.d_expert
+    last: dict[str, np.ndarray] = {}  # the fused tensor being split (read once, not E times)
+
+    def fused(name: str) -> np.ndarray:
+        if name not in last:
+            last.clear()
+            last[name] = reader.get(name)
+        return last[name]
+
+    def get(name: str) -> np.ndarray:
+        if name in reader:
+            return reader.get(name)
+        parts = name.split(".")  # model.layers.{i}.mlp.experts.{j}.{proj}.weight
+        if len(parts) == 8 and parts[4] == "experts":
+            base, j, proj = ".".join(parts[:5]), int(parts[5]), parts[6]
+            if proj in ("gate_proj", "up_proj") and base + ".gate_up_proj" in reader:
+                gate_up = fused(base + ".gate_up_proj")[j]  # [2F, D]
+                return gate_up[:f] if proj == "gate_proj" else gate_up[f:]
+            if proj == "down_proj" and base + ".down_proj" in reader:
+                return fused(base + ".down_proj")[j]  # [D, F]
+        raise KeyError(name)
+
+    return get
+
+
+def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = None,
+                    strict: bool = True) -> tuple[ModelConfig, dict]:
+    """Reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory into `(config, params)`.
+
+    dtype: parameter dtype ("float32", "bfloat16", "float16"); default: config.json's `dtype`.
+    shardings: optional pytree of `jax.sharding.Sharding` shaped like params; each parameter is
+      placed with `jax.device_put` as soon as it is built (no full host copy of the model).
+      Without it the leaves are host numpy arrays (jit accepts them).
+    strict: raise if the checkpoint holds tensors the model does not use.
+    """
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no config.json in {path}")
+    with open(cfg_path) as f:
+        config = config_from_hf(json.load(f), dtype=dtype)
+    np_dtype = _NP_DTYPES[config.param_dtype]
+    reader = _TensorReader(path)
+    get = _fused_getter(reader, config)
+    params: dict = {}
+    expected = _expected_shapes(config)
+    for ours, names, _, from_hf in param_map(config):
+        try:
+            value = from_hf(get)
+        except KeyError as e:
+            missing = [n for n in names if n not in reader]
+            raise ValueError(f"checkpoint {path} lacks tensor {e.args[0]} (for params "
+                             f"{'/'.join(ours)}; {len(missing)} of its {len(names)} HF tensors "
+                             "missing)") from None
+        if value.shape != expected[ours]:
+            raise ValueError(f"tensor(s) {names[0]}{'...' if len(names) > 1 else ''} give "
+                             f"{'/'.join(ours)} shape {value.shape}; config implies "
+                             f"{expected[ours]}")
+        value = np.ascontiguousarray(value.astype(np_dtype))
+        if shardings is not None:
+            import jax
+
+            value = jax.device_put(value, _get(shardings, ours))
+        _set(params, ours, value)
+    unused = sorted(n for n in reader.weight_map if n not in reader.used
+                    and not n.endswith(_IGNORED_SUFFIXES)
+                    and not (config.tie_embeddings and n == "lm_head.weight"))
+    if strict and unused:
+        raise ValueError(f"checkpoint {path} has {len(unused)} tensors the model does not use, "
+                         f"e.g. {unused[:5]} (pass strict=False to ignore them)")
+    return config, params
+
+
+def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Shape of every parameter leaf implied by `config` (the model contract)."""
+    c = config
+    d, h, k, a = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.head_dim
+    e, f, fs = c.n_experts, c.d_expert, c.shared_expert_d_ff
+    kernels = {"q_proj": (d, h), "k_proj": (d, k), "v_proj": (d, k), "o_proj": (h, d)}
+    out: dict[tuple[str, ...], tuple[int, ...]] = {}
+    for ours, *_ in param_map(config):
+        leaf, parent = ours[-1], ours[-2] if len(ours) > 1 else ""
+        if ours[0] == "embed":
+            shape = (c.vocab_size, d)
+        elif ours[0] == "lm_head":
+            shape = (d, c.vocab_size)
+        elif leaf == "scale":
+            shape = (a,) if parent in ("q_norm", "k_norm") else (d,)
+        elif parent in kernels:
+            shape = kernels[parent] if leaf == "kernel" else (kernels[parent][1],)
+        elif leaf in ("wi_gate", "wi_up"):
+            shape = (e, d, f)
+        elif leaf == "wo":
+            shape = (e, f, d)
+        elif parent == "router":
+            shape = (d, e)
+        elif parent == "shared_expert_gate":
+            shape = (d, 1)
+        else:  # gate/up/down of the dense MLP or the shared expert
+            hidden = fs if "shared_expert" in ours else c.d_ff
+            shape = (hidden, d) if parent == "down_proj" else (d, hidden)
+        out[ours] = shape
+    return out
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def _hf_tensors(config: ModelConfig, params: dict,
+                np_dtype: Any) -> Iterator[tuple[str, np.ndarray]]:
+    expected = _expected_shapes(config)
+    for ours, names, to_hf, _ in param_map(config):
+        value = np.asarray(_get(params, ours))
+        if value.shape != expected[ours]:
+            raise ValueError(f"params {'/'.join(ours)} has shape {value.shape}; config implies "
+                             f"{expected[ours]}")
+        for name, array in zip(names, to_hf(value), strict=True):
+            yield name, np.ascontiguousarray(array.astype(np_dtype))
+
+
+def save_pretrained(config: ModelConfig, params: dict, path: str, *, dtype: str | None = None,
+                    max_shard_bytes: int = 5 * 2**30,
+                    extra_config: dict[str, Any] | None = None) -> list[str]:
+    """Writes config.json + safetensors (per-expert tensor names) for transformers and vLLM.
+
+    dtype: tensor dtype on disk (default `config.param_dtype`). Above `max_shard_bytes` the
+    tensors go into `model-0000i-of-0000n.safetensors` shards with `model.safetensors.index.json`.
+    extra_config: merged into config.json (e.g. `eos_token_id`, `bos_token_id`).
+    Earlier `model*.safetensors` files in `path` are removed first. Returns the files written.
+    """
+    dtype = dtype or config.param_dtype
+    if dtype not in _NP_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_NP_DTYPES)}")
+    hf = config_to_hf(config, dtype=dtype) | (extra_config or {})
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
+            os.remove(os.path.join(path, name))
+    # Shards are written as they fill (one shard in memory at a time) under temporary names,
+    # renamed once their count is known.
+    shard: dict[str, np.ndarray] = {}
+    tmp_files: list[str] = []
+    shard_of: dict[str, int] = {}
+    size = total = 0
+
+    def flush() -> None:
+        tmp_files.append(os.path.join(path, f".model-tmp-{len(tmp_files):05d}.safetensors"))
+        save_file(shard, tmp_files[-1], metadata={"format": "pt"})
+        shard.clear()
+
+    for name, array in _hf_tensors(config, params, _NP_DTYPES[dtype]):
+        if shard and size + array.nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shard[name] = array
+        shard_of[name] = len(tmp_files)
+        size += array.nbytes
+        total += array.nbytes
+    flush()
+    n = len(tmp_files)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                          for i in range(n)]
+    for tmp, file in zip(tmp_files, files, strict=True):
+        os.replace(tmp, os.path.join(path, file))
+    if n > 1:
+        weight_map = {name: files[i] for name, i in shard_of.items()}
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        files.append(INDEX_FILE)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    return files + ["config.json"]
