@@ -1,0 +1,383 @@
+"""The embedded JAX rollout engine: KV-cache generation with routing capture.
+
+Shaped like JetStream's `Engine`: `prefill(params, prompt_tokens) -> Prefix` runs a prompt once;
+`insert(prefix, decode_state, slot, key)` copies it into one of `max_slots` fixed decode slots
+(and draws the first token); `generate(params, decode_state) -> (decode_state, tokens)` advances
+every active slot by `steps_per_sync` tokens in one jit-compiled call with static shapes
+([max_slots, max_cache_len]). `generate_groups` drives them with continuous batching: a slot that
+finishes takes the next sample at once; the G samples of a prompt share one prefill.
+
+What is recorded, per response: the sampled tokens; the log-prob of each under the distribution
+it was drawn from (see `espo_jax.rollout.sampling`); and the experts every MoE layer routed each
+prompt and response token to, int16 `[prompt + response, M, k]`. The last sampled token was
+never fed forward, so its row holds the sentinel -1: its routing could only influence logits
+after the end of the response, which no one computes (`espo_jax.rollout.records` contract).
+
+Determinism: sample g of request i draws its t-th token with key fold_in(fold_in(fold_in(rng,
+seed_i), g), t), seed_i = `Request.seed` or i. Nothing depends on which slot ran it or when, so
+FIFO and length-aware admission give the same groups, returned in request order.
+
+Precision: "fp32", "bf16" (compute and weights), or "fp8" (E4M3 weights with per-channel scales
+from `espo_jax.models.quant`, dequantised on the fly; router and LM head stay fp32). MoE dispatch
+is always exact (a "capacity" config is switched to "dropless": dropping tokens would make a
+sample depend on its batch neighbours).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from espo_jax import models
+from espo_jax.models import quant
+from espo_jax.models.config import ModelConfig
+from espo_jax.rollout import scheduling
+from espo_jax.rollout.sampling import SamplingConfig, sample
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+FREE, ACTIVE, DONE = 0, 1, 2  # slot phases
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to sample `n_samples` responses for (None: the driver's default G)."""
+
+    prompt_id: Hashable
+    tokens: Sequence[int]
+    n_samples: int | None = None
+    seed: int | None = None  # RNG stream of this request; default its index in the batch
+
+
+@dataclasses.dataclass
+class Generation:
+    """One response: fields named as `records.Response` so both feed `measure_mismatch`."""
+
+    tokens: np.ndarray  # int32 [R]
+    logprobs: np.ndarray  # float32 [R]
+    routed_experts: np.ndarray | None  # int16 [P + R, M, k], -1 = no routing; None if dense
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclasses.dataclass
+class GenerationGroup:
+    request_index: int
+    prompt_id: Hashable
+    prompt_tokens: np.ndarray  # int32 [P]
+    responses: list[Generation]
+
+
+@flax.struct.dataclass
+class Prefix:
+    """A prefilled prompt: its KV cache [1, P, K, A] per layer (P = padded length)."""
+
+    cache: dict
+    length: jax.Array  # int32 [], true prompt length
+    tokens_P: jax.Array  # int32 [P]
+    logits_V: jax.Array  # float32 [V] at the last prompt token
+    experts_PxMxk: jax.Array  # int16, -1 at padding
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything about the B decode slots; S = max_cache_len."""
+
+    cache: dict  # per layer k, v [B, S, K, A]
+    cache_mask_BxS: jax.Array  # True = slot holds a real token of the row's sequence
+    tokens_BxS: jax.Array  # prompt then sampled tokens
+    logprobs_BxS: jax.Array  # at sampled positions
+    experts_BxSxMxk: jax.Array  # int16, -1 = no routing
+    pos_B: jax.Array  # position of the last token (the next one to feed)
+    prompt_len_B: jax.Array
+    phase_B: jax.Array  # FREE / ACTIVE / DONE
+    keys_B: jax.Array  # per-sample PRNG keys
+    busy_steps: jax.Array  # slot-steps spent decoding (for the idle-slot fraction)
+
+
+def request_key(rng: jax.Array, seed: int, sample_idx: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(rng, seed), sample_idx)
+
+
+def engine_params(params: dict, config: ModelConfig, precision: str) -> tuple[dict, ModelConfig]:
+    """Learner parameters converted for the engine, and the engine's model config."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} unknown; choose one of {PRECISIONS}")
+    dispatch = "dropless" if config.dispatch == "capacity" else config.dispatch
+    if precision == "bf16":
+        cfg = config.replace(dtype="bfloat16", param_dtype="bfloat16", dispatch=dispatch)
+        cast = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return jax.tree.map(cast, params), cfg
+    cfg = config.replace(dtype="float32", param_dtype="float32", dispatch=dispatch)
+    params = jax.tree.map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+    )
+    if precision == "fp8":
+        params = quant.quantize_params(params, cfg)
+    return params, cfg
+
+
+# ---- pure, jit-compiled pieces ------------------------------------------------------------------
+def _prefill(config: ModelConfig, params: dict, tokens_1xP: jax.Array, length: jax.Array):
+    p = tokens_1xP.shape[1]
+    valid_1xP = jnp.arange(p)[None] < length
+    out = models.forward(
+        config, params, tokens_1xP, attention_mask_BxT=valid_1xP,
+        cache=models.init_cache(config, 1, p), cache_mask_BxS=jnp.zeros((1, p), bool),
+        return_logits=False, return_hidden=True,
+    )
+    h_D = jax.lax.dynamic_index_in_dim(out.hidden[0], length - 1, keepdims=False)
+    logits_V = jnp.dot(h_D.astype(config.dtype), models.lm_head_kernel(config, params))
+    experts = jnp.where(valid_1xP[0, :, None, None], out.routed_experts[0], -1)
+    return Prefix(out.cache, length, tokens_1xP[0], logits_V.astype(jnp.float32),
+                  experts.astype(jnp.int16))
+
+
+def _insert(sampling: SamplingConfig, prefix: Prefix, state: DecodeState, slot, key):
+    p, s = prefix.tokens_P.shape[0], state.tokens_BxS.shape[1]
+    n = prefix.length
+    cache = jax.tree.map(
+        lambda c, new: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (slot, 0, 0, 0)),
+        state.cache, prefix.cache,
+    )
+    tok, lp = sample(prefix.logits_V[None], jax.random.fold_in(key, 0)[None], sampling)
+    in_prompt_P = jnp.arange(p) < n
+    tokens_S = jnp.zeros(s, jnp.int32).at[:p].set(jnp.where(in_prompt_P, prefix.tokens_P, 0))
+    experts = jnp.full(state.experts_BxSxMxk.shape[1:], -1, jnp.int16).at[:p].set(
+        prefix.experts_PxMxk)
+    done = jnp.isin(tok[0], jnp.array(sampling.stop_tokens or (-1,))) | (
+        sampling.max_new_tokens == 1)
+    return state.replace(
+        cache=cache,
+        cache_mask_BxS=state.cache_mask_BxS.at[slot].set(jnp.arange(s) < n),
+        tokens_BxS=state.tokens_BxS.at[slot].set(tokens_S.at[n].set(tok[0])),
+        logprobs_BxS=state.logprobs_BxS.at[slot].set(jnp.zeros(s).at[n].set(lp[0])),
+        experts_BxSxMxk=state.experts_BxSxMxk.at[slot].set(experts),
+        pos_B=state.pos_B.at[slot].set(n),
+        prompt_len_B=state.prompt_len_B.at[slot].set(n),
+        phase_B=state.phase_B.at[slot].set(jnp.where(done, DONE, ACTIVE)),
+        keys_B=state.keys_B.at[slot].set(key),
+    )
+
+
+def _decode_step(config: ModelConfig, sampling: SamplingConfig, params: dict, state: DecodeState):
+    b, s = state.tokens_BxS.shape
+    rows = jnp.arange(b)
+    active_B = state.phase_B == ACTIVE
+    out = models.forward(
+        config, params, state.tokens_BxS[rows, state.pos_B][:, None],
+        positions_BxT=state.pos_B[:, None], attention_mask_BxT=active_B[:, None],
+        cache=state.cache, cache_mask_BxS=state.cache_mask_BxS,
+    )
+    fed_at = jnp.where(active_B, state.pos_B, s)  # s: dropped (inactive rows write nothing)
+    n_generated_B = state.pos_B - state.prompt_len_B + 1
+    keys_B = jax.vmap(jax.random.fold_in)(state.keys_B, n_generated_B)
+    tok_B, lp_B = sample(out.logits[:, 0], keys_B, sampling)
+    new_pos_B = state.pos_B + 1
+    write_at = jnp.where(active_B, new_pos_B, s)
+    stop_B = jnp.isin(tok_B, jnp.array(sampling.stop_tokens or (-1,))) | (
+        n_generated_B + 1 >= sampling.max_new_tokens)
+    new_state = state.replace(
+        cache=out.cache,
+        cache_mask_BxS=state.cache_mask_BxS.at[rows, fed_at].set(True, mode="drop"),
+        tokens_BxS=state.tokens_BxS.at[rows, write_at].set(tok_B, mode="drop"),
+        logprobs_BxS=state.logprobs_BxS.at[rows, write_at].set(lp_B, mode="drop"),
+        experts_BxSxMxk=state.experts_BxSxMxk.at[rows, fed_at].set(
+            out.routed_experts[:, 0].astype(jnp.int16), mode="drop"),
+        pos_B=jnp.where(active_B, new_pos_B, state.pos_B),
+        phase_B=jnp.where(active_B & stop_B, DONE, state.phase_B),
+        busy_steps=state.busy_steps + jnp.sum(active_B),
+    )
+    return new_state, jnp.where(active_B, tok_B, -1)
+
+
+def _generate(config, sampling, n_steps: int, params: dict, state: DecodeState):
+    step = functools.partial(_decode_step, config, sampling, params)
+    return jax.lax.scan(lambda st, _: step(st), state, None, length=n_steps)
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+class Engine:
+    """Fixed-slot generation engine; see module doc. `params` are the learner's (float) params."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict | None = None,
+        *,
+        sampling: SamplingConfig | None = None,
+        max_slots: int = 8,
+        max_cache_len: int = 256,
+        precision: str = "fp32",
+        steps_per_sync: int = 4,
+        min_prefill_len: int = 16,
+    ):
+        if max_slots < 1 or steps_per_sync < 1:
+            raise ValueError(f"max_slots ({max_slots}) and steps_per_sync ({steps_per_sync}) "
+                             "must be >= 1")
+        if max_cache_len < 2:
+            raise ValueError(f"max_cache_len must be >= 2, got {max_cache_len}")
+        if sampling.max_new_tokens >= max_cache_len:
+            raise ValueError(f"max_new_tokens ({sampling.max_new_tokens}) must be < max_cache_len "
+                             f"({max_cache_len}), which also holds the prompt")
+        sampling = SamplingConfig() if sampling is None else sampling
+        self.precision = precision
+        _, self.config = engine_params({}, config, precision)
+        self.sampling = sampling
+        self.max_slots, self.max_cache_len = max_slots, max_cache_len
+        self.steps_per_sync, self.min_prefill_len = steps_per_sync, min_prefill_len
+        self.params: dict | None = None
+        self.last_stats: dict[str, float] = {}
+        c = self.config
+        self._prefill = jax.jit(functools.partial(_prefill, c))
+        self._insert = jax.jit(functools.partial(_insert, sampling), donate_argnums=(1,))
+        self._generate = jax.jit(functools.partial(_generate, c, sampling, steps_per_sync),
+                                 donate_argnums=(1,))
+        if params is not None:
+            self.load_params(params)
+
+    @property
+    def sampler_name(self) -> str:
+        return f"jax-{self.precision}"
+
+    def load_params(self, params: dict) -> None:
+        """Installs new (learner, float) weights, converted to the engine's precision."""
+        self.params, _ = engine_params(params, self.config, self.precision)
+
+    # -- JetStream-shaped API --------------------------------------------------------------------
+    def prefill_len(self, n: int) -> int:
+        """Padded prompt length: a power of two >= n (at least min_prefill_len), <= S."""
+        return min(self.max_cache_len, max(self.min_prefill_len, 1 << max(0, n - 1).bit_length()))
+
+    def prefill(self, params: dict, prompt_tokens: Sequence[int]) -> Prefix:
+        n = len(prompt_tokens)
+        p = self.prefill_len(n)
+        tokens = np.zeros((1, p), np.int32)
+        tokens[0, :n] = prompt_tokens
+        return self._prefill(params, jnp.asarray(tokens), jnp.int32(n))
+
+    def init_decode_state(self) -> DecodeState:
+        c, b, s = self.config, self.max_slots, self.max_cache_len
+        zeros = lambda dt: jnp.zeros((b,), dt)
+        return DecodeState(
+            cache=models.init_cache(c, b, s), cache_mask_BxS=jnp.zeros((b, s), bool),
+            tokens_BxS=jnp.zeros((b, s), jnp.int32), logprobs_BxS=jnp.zeros((b, s), jnp.float32),
+            experts_BxSxMxk=jnp.full((b, s, c.n_moe_layers, c.top_k), -1, jnp.int16),
+            pos_B=zeros(jnp.int32), prompt_len_B=zeros(jnp.int32), phase_B=zeros(jnp.int32),
+            keys_B=jax.random.split(jax.random.key(0), b), busy_steps=jnp.zeros((), jnp.int32),
+        )
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
+               key: jax.Array) -> DecodeState:
+        return self._insert(prefix, decode_state, jnp.int32(slot), key)
+
+    def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, jax.Array]:
+        """`steps_per_sync` decode steps; tokens [steps, B] sampled (-1 where a slot was idle)."""
+        return self._generate(params, decode_state)
+
+    # -- driver ------------------------------------------------------------------------------
+    def _check(self, requests: Sequence[Request], n_samples: int) -> None:
+        limit = self.max_cache_len - self.sampling.max_new_tokens
+        for i, r in enumerate(requests):
+            if not 1 <= len(r.tokens) <= limit:
+                raise ValueError(
+                    f"request {i} (prompt {r.prompt_id!r}) has {len(r.tokens)} prompt tokens; "
+                    f"need 1..{limit} (max_cache_len {self.max_cache_len} - max_new_tokens "
+                    f"{self.sampling.max_new_tokens})")
+            if (r.n_samples or n_samples) < 1:
+                raise ValueError(f"request {i}: n_samples must be >= 1")
+            bad = [t for t in r.tokens if not 0 <= int(t) < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"request {i}: token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {self.config.vocab_size})")
+
+    def _collect(self, state: DecodeState, slot: int) -> tuple[Generation, int]:
+        pos, n = (int(x) for x in jax.device_get((state.pos_B[slot], state.prompt_len_B[slot])))
+        tokens, logprobs, experts = jax.device_get((
+            state.tokens_BxS[slot, n:pos + 1], state.logprobs_BxS[slot, n:pos + 1],
+            state.experts_BxSxMxk[slot, :pos + 1]))
+        stopped = int(tokens[-1]) in self.sampling.stop_tokens
+        routed = np.asarray(experts, np.int16) if self.config.n_moe_layers else None
+        gen = Generation(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), routed,
+                         "stop" if stopped else "length")
+        return gen, len(tokens)
+
+    def generate_groups(
+        self,
+        requests: Sequence[Request],
+        *,
+        n_samples: int = 1,
+        rng: jax.Array | None = None,
+        params: dict | None = None,
+        admission: str = "fifo",
+        predictor: scheduling.LengthPredictor | None = None,
+        on_group: Callable[[GenerationGroup], None] | None = None,
+    ) -> list[GenerationGroup]:
+        """Samples every request's responses with continuous batching; groups in request order.
+
+        admission: "fifo" or "longest_first" (by `predictor.predict(prompt_id)`). `on_group` is
+        called with each group as soon as its last sample finishes (completion order), e.g. to
+        start scoring it while decoding goes on. Figures of the run go to `self.last_stats`.
+        """
+        params = self.params if params is None else params
+        if params is None:
+            raise ValueError("Engine has no weights: pass params or call load_params first")
+        if admission == "longest_first" and predictor is None:
+            raise ValueError("admission='longest_first' needs a LengthPredictor")
+        self._check(requests, n_samples)
+        rng = jax.random.key(0) if rng is None else rng
+        predicted = [predictor.predict(r.prompt_id) if predictor else 0.0 for r in requests]
+        queue = [(i, g) for i in scheduling.admission_order(predicted, admission)
+                 for g in range(requests[i].n_samples or n_samples)]
+        queue.reverse()  # pop() from the end
+        start = time.perf_counter()
+        state = self.init_decode_state()
+        owner: list[tuple[int, int] | None] = [None] * self.max_slots
+        prefixes: dict[int, Prefix] = {}
+        pending: dict[int, dict[int, Generation]] = {}
+        groups: dict[int, GenerationGroup] = {}
+        syncs = generated = 0
+        while queue or any(o is not None for o in owner):
+            for slot in range(self.max_slots):
+                if owner[slot] is None and queue:
+                    i, g = queue.pop()
+                    r = requests[i]
+                    if i not in prefixes:
+                        prefixes[i] = self.prefill(params, r.tokens)
+                    seed = i if r.seed is None else r.seed
+                    state = self.insert(prefixes[i], state, slot, request_key(rng, seed, g))
+                    owner[slot] = (i, g)
+            state, _ = self.generate(params, state)
+            syncs += 1
+            phase = np.asarray(state.phase_B)
+            for slot in np.flatnonzero(phase == DONE):
+                if owner[slot] is None:
+                    continue
+                (i, g), owner[slot] = owner[slot], None
+                gen, n = self._collect(state, slot)
+                generated += n
+                pending.setdefault(i, {})[g] = gen
+                want = requests[i].n_samples or n_samples
+                if len(pending[i]) == want:
+                    r = requests[i]
+                    done = pending.pop(i)
+                    prefixes.pop(i, None)
+                    groups[i] = GenerationGroup(i, r.prompt_id, np.asarray(r.tokens, np.int32),
+                                                [done[k] for k in range(want)])
+                    if on_group is not None:
+                        on_group(groups[i])
+        wall = time.perf_counter() - start
+        slot_steps = syncs * self.steps_per_sync * self.max_slots
+        busy = int(state.busy_steps)
+        self.last_stats = {
+            "engine/wall_s": wall, "engine/generated_tokens": float(generated),
+            "engine/tokens_per_s": generated / wall if wall > 0 else 0.0,
+            "engine/decode_steps": float(syncs * self.steps_per_sync),
+            "engine/idle_slot_frac": 1.0 - busy / slot_steps if slot_steps else 0.0,
+        }
+        return [groups[i] for i in range(len(requests))]

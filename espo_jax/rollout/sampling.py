@@ -1,0 +1,71 @@
+"""Token sampling for the rollout engine: temperature, top-k, top-p, and the sampled log-prob.
+
+The recorded log-prob of a sampled token is its log-probability under the distribution it was
+actually drawn from: logits / temperature, restricted to the top-k tokens and then to the
+top-p nucleus, renormalised. With temperature 1, top_k 0 and top_p 1 that is exactly the
+model's log-softmax, which is what the learner recomputes, so the importance ratio starts at 1
+up to numerics. With truncation the behaviour policy *is* the truncated distribution, and the
+recorded value says so (the learner's ratio then measures the truncation as off-policyness).
+Greedy decoding (temperature 0) records the model's untempered log-softmax of the argmax token
+(the log-prob of a point mass, 0, would carry no information).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn and when a response ends. Hashable (a static jit argument)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k truncation
+    top_p: float = 1.0  # 1 = no nucleus truncation
+    max_new_tokens: int = 64
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+
+def truncated_logits(logits_BxV: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """fp32 logits / temperature with tokens outside top-k / top-p set to -inf."""
+    x = logits_BxV.astype(jnp.float32) / sampling.temperature
+    if sampling.top_k and sampling.top_k < x.shape[-1]:
+        kth_Bx1 = jax.lax.top_k(x, sampling.top_k)[0][:, -1:]
+        x = jnp.where(x < kth_Bx1, -jnp.inf, x)
+    if sampling.top_p < 1.0:
+        sorted_BxV = jnp.sort(x, axis=-1)[:, ::-1]
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        keep_BxV = mass_before_BxV < sampling.top_p
+        cutoff_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff_Bx1, -jnp.inf, x)
+    return x
+
+
+def sample(
+    logits_BxV: jax.Array, keys_B: jax.Array, sampling: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row and its log-prob (see module doc); row b uses only `keys_B[b]`."""
+    if sampling.temperature == 0.0:
+        logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)
+        tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    else:
+        x_BxV = truncated_logits(logits_BxV, sampling)
+        logp_BxV = jax.nn.log_softmax(x_BxV, axis=-1)
+        tokens_B = jax.vmap(jax.random.categorical)(keys_B, x_BxV).astype(jnp.int32)
+    return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
