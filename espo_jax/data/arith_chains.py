@@ -1,0 +1,166 @@
+"""`arith_chains`: synthetic +/- chains with difficulty levels, as a TFDS builder (ArrayRecord).
+
+A prompt is the bare expression, a worked solution folds it left one step at a time, and the
+final answer follows a `#`:
+
+    prompt    "57+87-70+12="
+    solution  "57+87=144,144-70=74,74+12=86#86"
+
+Every step has the same shape (two operands, one operator), so a model warm-started on the easy
+levels can extend the pattern to longer chains and wider operands under RL. At the default levels
+the longest example (prompt + solution) is 51 characters, short enough for a character-level
+model.
+
+Problems come from `reasoning-gym`'s `chain_sum` generator (seeded: item i of a level is drawn
+with `random.Random(level_seed + i)`); only its expression is used, because its question text
+("State the final answer to the following arithmetic problem: ...") is 60 characters of
+boilerplate that a character model would have to read on every prompt. Train and test are
+disjoint by construction: a problem belongs to the test split when a hash of its expression
+falls in 1 / `test_modulus` of the hash space; duplicates inside a split are dropped. Small levels
+(2 one-digit terms: 200 distinct problems) therefore yield fewer examples than asked for.
+
+Preparation is offline and needs no TensorFlow; read with `builder.as_data_source()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from espo_jax.data.tfds_offline import OfflineBuilder
+
+# (number of terms, digits per operand) for levels 1..5.
+DEFAULT_LEVELS = ((2, 1), (3, 1), (2, 2), (3, 2), (4, 2))
+# Draw budget: 20 per wanted example (at least 20k), at most 10x the problem space (which then
+# is all but certainly exhausted: a given problem is missed with probability ~e^-10). Drawing
+# stops as soon as a split has what it asked for.
+_DRAWS_PER_EXAMPLE = 20
+_LEVEL_SEED_STRIDE = 1_000_003  # keeps the seed ranges (level_seed + i) of levels apart
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class ArithChainsConfig(tfds.core.BuilderConfig):
+    """Levels and sizes. Build it with `arith_chains_config(...)` so the name encodes the content
+    (the prepared directory is keyed by the name: two contents must never share one)."""
+
+    levels: tuple[tuple[int, int], ...] = DEFAULT_LEVELS
+    train_per_level: int = 2000
+    test_per_level: int = 200
+    test_modulus: int = 10  # 1 in test_modulus distinct problems is held out for test
+    seed: int = 0
+
+
+def arith_chains_config(
+    levels: tuple[tuple[int, int], ...] = DEFAULT_LEVELS,
+    train_per_level: int = 2000,
+    test_per_level: int = 200,
+    test_modulus: int = 10,
+    seed: int = 0,
+) -> ArithChainsConfig:
+    """A config whose name is a digest of its fields, so each content has its own directory."""
+    levels = tuple((int(t), int(d)) for t, d in levels)
+    for terms, digits in levels:
+        if terms < 2 or digits < 1:
+            raise ValueError(f"arith_chains: a level needs >= 2 terms and >= 1 digit, got "
+                             f"(terms={terms}, digits={digits})")
+    if train_per_level < 0 or test_per_level < 0:
+        raise ValueError(f"arith_chains: sizes must be >= 0, got train_per_level="
+                         f"{train_per_level}, test_per_level={test_per_level}")
+    if test_modulus < 2:
+        raise ValueError(f"arith_chains: test_modulus must be >= 2, got {test_modulus}")
+    fields = dict(levels=levels, train_per_level=train_per_level, test_per_level=test_per_level,
+                  test_modulus=test_modulus, seed=seed)
+    digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    return ArithChainsConfig(name=f"c{digest}", description=json.dumps(fields), **fields)
+
+
+def worked_solution(expression: str) -> tuple[str, int]:
+    """`"4 - 1 - 7"` -> (`"4-1=3,3-7=-4#-4"`, -4): left fold, one step per operator."""
+    parts = expression.split()
+    if len(parts) < 3 or len(parts) % 2 == 0:
+        raise ValueError(f"worked_solution: not a chain of binary +/- terms: {expression!r}")
+    value = int(parts[0])
+    steps = []
+    for op, term in zip(parts[1::2], parts[2::2], strict=True):
+        if op not in "+-":
+            raise ValueError(f"worked_solution: operator {op!r} in {expression!r} is not + or -")
+        new = value + int(term) if op == "+" else value - int(term)
+        steps.append(f"{value}{op}{term}={new}")
+        value = new
+    return ",".join(steps) + f"#{value}", value
+
+
+def problem_space(terms: int, digits: int) -> int:
+    """Number of distinct chains: operand values (0-9 for one digit, else no leading zero) to the
+    power of terms, times the operator choices."""
+    values = 10 if digits == 1 else 9 * 10 ** (digits - 1)
+    return values**terms * 2 ** (terms - 1)
+
+
+def _in_test(expression: str, modulus: int) -> bool:
+    return int(hashlib.sha1(expression.encode()).hexdigest()[:8], 16) % modulus == 0
+
+
+def level_examples(level: int, terms: int, digits: int, split: str,
+                   config: ArithChainsConfig) -> list[dict]:
+    """The examples of one level and split, in generation order (deterministic)."""
+    # reasoning-gym imports all its task families (~3 s): only preparation pays for it.
+    from reasoning_gym.arithmetic.chain_sum import ChainSumConfig, ChainSumDataset
+
+    wanted = config.train_per_level if split == "train" else config.test_per_level
+    gen = ChainSumDataset(ChainSumConfig(
+        min_terms=terms, max_terms=terms, min_digits=digits, max_digits=digits,
+        allow_negation=False, seed=(config.seed * 100 + level) * _LEVEL_SEED_STRIDE,
+        size=min(10 * problem_space(terms, digits), max(wanted * _DRAWS_PER_EXAMPLE, 20_000))))
+    out, seen = [], set()
+    for i in range(len(gen) if wanted else 0):
+        expression = gen[i]["metadata"]["expression"]
+        if expression in seen or _in_test(expression, config.test_modulus) != (split == "test"):
+            continue
+        seen.add(expression)
+        prompt = expression.replace(" ", "") + "="
+        solution, value = worked_solution(expression)
+        if str(value) != gen[i]["answer"]:  # our fold must agree with reasoning-gym's answer
+            raise AssertionError(f"arith_chains: {expression} folds to {value}, "
+                                 f"reasoning-gym says {gen[i]['answer']}")
+        out.append(dict(prompt_id=f"L{level}:{prompt}", prompt=prompt, solution=solution,
+                        answer=str(value), level=level, num_terms=terms, num_digits=digits))
+        if len(out) == wanted:
+            break
+    return out
+
+
+class ArithChains(OfflineBuilder):
+    """Synthetic arithmetic chains; see the module docstring."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    BUILDER_CONFIGS = [arith_chains_config()]
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=__doc__,
+            features=tfds.features.FeaturesDict({
+                "prompt_id": tfds.features.Text(),
+                "prompt": tfds.features.Text(),
+                "solution": tfds.features.Text(),
+                "answer": tfds.features.Text(),
+                "level": np.int32,
+                "num_terms": np.int32,
+                "num_digits": np.int32,
+            }),
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # nothing to download
+        return {split: self._generate_examples(split) for split in ("train", "test")}
+
+    def _generate_examples(self, split: str):
+        for level, (terms, digits) in enumerate(self.builder_config.levels, start=1):
+            for ex in level_examples(level, terms, digits, split, self.builder_config):
+                yield ex["prompt_id"], ex

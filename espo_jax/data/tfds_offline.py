@@ -1,0 +1,42 @@
+"""Offline TFDS plumbing shared by the builders: a base class and a `prepare` helper.
+
+The builders here generate or read local data only. They are written as
+`GeneratorBasedBuilder`s with `file_format="array_record"`, so preparing and reading
+(`as_data_source()`, random access) need no TensorFlow and no network.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tensorflow_datasets as tfds
+from etils import epath
+
+
+class OfflineBuilder(tfds.core.GeneratorBasedBuilder):
+    """A `GeneratorBasedBuilder` that never downloads.
+
+    `code_path` is overridden because TFDS 4.9.10 locates a builder's source through
+    `importlib_resources`, a package it does not declare for Python >= 3.9; the file path of the
+    subclass is what it would find anyway.
+    """
+
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls) -> epath.Path:  # noqa: D102
+        import inspect
+
+        return epath.Path(inspect.getfile(cls))
+
+
+def prepare(builder_cls: type[OfflineBuilder], data_dir: str | os.PathLike, config=None,
+            ) -> OfflineBuilder:
+    """Builds (once) and returns `builder_cls` under `data_dir` as ArrayRecord files.
+
+    A second call with the same config reuses the prepared files.
+    """
+    kwargs = {} if config is None else {"config": config}
+    builder = builder_cls(data_dir=os.fspath(data_dir), file_format="array_record", **kwargs)
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    return builder

@@ -1,0 +1,95 @@
+"""arith_chains: worked solutions by hand, offline preparation into a tmp data_dir, determinism."""
+
+import sys
+
+import pytest
+
+from espo_jax.data.arith_chains import (
+    ArithChains,
+    _in_test,
+    arith_chains_config,
+    level_examples,
+    problem_space,
+    worked_solution,
+)
+from espo_jax.data.tfds_offline import prepare
+
+# Two levels and small sizes keep preparation well under a second (reasoning-gym import aside).
+CONFIG = arith_chains_config(levels=((2, 1), (3, 2)), train_per_level=60, test_per_level=20,
+                             seed=3)
+
+
+def _records(builder, split):
+    ds = builder.as_data_source()[split]
+    return [{k: (v.decode() if isinstance(v, bytes) else int(v)) for k, v in ds[i].items()}
+            for i in range(len(ds))]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return prepare(ArithChains, tmp_path_factory.mktemp("a"), CONFIG)
+
+
+def test_worked_solution_by_hand():
+    # 57+87=144, 144-70=74, 74+12=86
+    assert worked_solution("57 + 87 - 70 + 12") == ("57+87=144,144-70=74,74+12=86#86", 86)
+    # 4-1=3, 3-7=-4: negative intermediate results keep their sign
+    assert worked_solution("4 - 1 - 7") == ("4-1=3,3-7=-4#-4", -4)
+    with pytest.raises(ValueError, match="not a chain"):
+        worked_solution("4 -")
+    with pytest.raises(ValueError, match="not \\+ or -"):
+        worked_solution("4 * 2")
+
+
+def test_problem_space():
+    assert problem_space(2, 1) == 10 * 10 * 2  # two 0-9 operands, one operator
+    assert problem_space(3, 2) == 90**3 * 4  # 10-99 operands, two operators
+
+
+def test_prepares_offline_without_tensorflow(prepared):
+    assert "tensorflow" not in sys.modules  # preparing and reading never imported TF
+    train, test = _records(prepared, "train"), _records(prepared, "test")
+    # level 1 has 200 distinct problems; those hashed into test are enumerated independently
+    level1_test = sum(_in_test(f"{a} {op} {b}", 10) for a in range(10) for b in range(10)
+                      for op in "+-")
+    assert len(train) == 60 + 60
+    assert len(test) == min(20, level1_test) + 20
+    for ex in train + test:
+        terms = ex["prompt"].count("+") + ex["prompt"].count("-") + 1
+        assert terms == ex["num_terms"] == (2 if ex["level"] == 1 else 3)
+        assert ex["prompt_id"] == f"L{ex['level']}:{ex['prompt']}"
+        assert ex["solution"].endswith("#" + ex["answer"])
+        expr = ex["prompt"].rstrip("=")
+        assert int(ex["answer"]) == eval(expr)  # noqa: S307  (digits and +/- only)
+        assert len(ex["prompt"]) + len(ex["solution"]) <= 64
+    # train and test are disjoint, and no problem repeats inside a split
+    train_ids, test_ids = {e["prompt_id"] for e in train}, {e["prompt_id"] for e in test}
+    assert len(train_ids) == len(train) and len(test_ids) == len(test)
+    assert not train_ids & test_ids
+
+
+def test_deterministic_across_preparations(prepared, tmp_path):
+    again = prepare(ArithChains, tmp_path, CONFIG)
+    assert _records(again, "train") == _records(prepared, "train")
+    other_seed = arith_chains_config(levels=((2, 1), (3, 2)), train_per_level=60,
+                                     test_per_level=20, seed=4)
+    assert other_seed.name != CONFIG.name  # content-keyed names: no stale reuse
+    assert level_examples(2, 3, 2, "train", other_seed) != level_examples(2, 3, 2, "train",
+                                                                           CONFIG)
+
+
+def test_small_level_is_exhausted_not_padded():
+    # 2 one-digit terms: 200 distinct problems, about a tenth held out, so asking for 1000
+    # training problems yields every non-test problem once.
+    cfg = arith_chains_config(levels=((2, 1),), train_per_level=1000, test_per_level=1000)
+    train = level_examples(1, 2, 1, "train", cfg)
+    test = level_examples(1, 2, 1, "test", cfg)
+    assert len(train) + len(test) == 200
+    assert 100 < len(train) < 200 and len({e["prompt"] for e in train}) == len(train)
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="terms=1"):
+        arith_chains_config(levels=((1, 1),))
+    with pytest.raises(ValueError, match="test_modulus"):
+        arith_chains_config(test_modulus=1)
