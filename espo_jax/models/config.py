@@ -1,0 +1,159 @@
+"""`ModelConfig`: the hyper-parameters of the Qwen3-MoE style decoder, with named presets.
+
+A frozen (hashable) dataclass, so it can be closed over by `jax.jit` and used as a dict key.
+`__post_init__` validates it, so a bad config fails before anything is traced or compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DISPATCHES = ("dropless", "capacity", "ragged", "dense")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only (MoE) transformer with Qwen3-MoE conventions."""
+
+    vocab_size: int = 128
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4  # query heads H
+    n_kv_heads: int = 2  # key/value heads K (H % K == 0; K == H is MHA)
+    head_dim: int = 16  # A (need not equal d_model / n_heads, as in Qwen3)
+    d_ff: int = 128  # hidden size of the dense SwiGLU MLP (layers that are not MoE)
+    n_experts: int = 8  # E
+    top_k: int = 2  # k
+    d_expert: int = 32  # F, hidden size of one expert
+    moe_every: int = 1  # 1: all layers MoE; n: layers with (i+1) % n == 0; 0: dense model
+    norm_topk_prob: bool = True  # renormalise the top-k gate weights to sum to one
+    shared_expert_d_ff: int = 0  # 0: none; else a Qwen2-MoE shared expert with sigmoid gate
+    qk_norm: bool = True  # RMSNorm on each query/key head (Qwen3)
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    tie_embeddings: bool = False  # LM head = embedding transposed
+    rope_theta: float = 1e6
+    rms_eps: float = 1e-6
+    max_seq_len: int = 2048
+    aux_loss_coef: float = 0.001  # weight of the load-balancing loss in `aux_loss`
+    z_loss_coef: float = 0.0  # weight of the router z-loss in `aux_loss`
+    dtype: str = "float32"  # compute dtype of matmuls (norms, router, softmax stay fp32)
+    param_dtype: str = "float32"
+    dispatch: str = "dropless"  # see DISPATCHES and espo_jax/models/moe.py
+    capacity_factor: float = 1.25  # only for dispatch == "capacity"
+    init_std: float = 0.02  # normal init of kernels and embeddings (HF initializer_range)
+
+    def __post_init__(self):
+        errors = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
+            errors.append(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            errors.append(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.moe_every < 0:
+            errors.append(f"moe_every must be >= 0, got {self.moe_every}")
+        if self.n_moe_layers:
+            if self.n_experts < 1 or self.d_expert < 1:
+                errors.append(
+                    f"MoE layers need n_experts >= 1 and d_expert >= 1, got "
+                    f"{self.n_experts} and {self.d_expert}"
+                )
+            if not 1 <= self.top_k <= self.n_experts:
+                errors.append(
+                    f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}"
+                )
+        if self.n_moe_layers < self.n_layers and self.d_ff < 1:
+            errors.append(f"dense layers need d_ff >= 1, got {self.d_ff}")
+        if self.shared_expert_d_ff < 0:
+            errors.append(f"shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
+        if self.dispatch not in DISPATCHES:
+            errors.append(f"dispatch {self.dispatch!r} is not one of {DISPATCHES}")
+        if self.capacity_factor <= 0:
+            errors.append(f"capacity_factor must be > 0, got {self.capacity_factor}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                errors.append(f"{name} {getattr(self, name)!r} is not one of {_DTYPES}")
+        if self.rms_eps <= 0 or self.rope_theta <= 0:
+            errors.append("rms_eps and rope_theta must be > 0")
+        if errors:
+            raise ValueError("invalid ModelConfig: " + "; ".join(errors))
+
+    # ---- derived quantities -------------------------------------------------------------------
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i (0-based) is an MoE layer (HF Qwen3-MoE `decoder_sparse_step`)."""
+        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE layers; position m in this tuple is the M axis of routing arrays."""
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def param_count(self, active: bool = False) -> int:
+        """Number of parameters; with `active`, only those one token uses (top_k experts)."""
+        d, a = self.d_model, self.head_dim
+        attn = d * a * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * a * d + 2 * d
+        if self.qkv_bias:
+            attn += a * (self.n_heads + 2 * self.n_kv_heads)
+        if self.qk_norm:
+            attn += 2 * a
+        experts = self.top_k if active else self.n_experts
+        moe = d * self.n_experts + experts * 3 * d * self.d_expert
+        if self.shared_expert_d_ff:
+            moe += 3 * d * self.shared_expert_d_ff + d
+        dense = 3 * d * self.d_ff
+        n_moe = self.n_moe_layers
+        total = self.n_layers * attn + n_moe * moe + (self.n_layers - n_moe) * dense
+        embeds = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return total + embeds + d
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        return get_preset(name, **overrides)
+
+
+# Real Qwen3-MoE numbers from the Hugging Face config.json files of Qwen/Qwen3-30B-A3B and
+# Qwen/Qwen3-235B-A22B (dense d_ff is their `intermediate_size`, unused as every layer is MoE).
+_PRESETS: dict[str, dict[str, Any]] = {
+    # Tests: compiles in seconds. vocab 128 holds the 99-symbol CharTokenizer.
+    "tiny": dict(
+        vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
+        n_experts=8, top_k=2, d_expert=32, max_seq_len=512,
+    ),
+    # The default CPU experiment: ~5M parameters, ~1.5M active per token.
+    "small": dict(
+        vocab_size=128, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512,
+        n_experts=16, top_k=2, d_expert=128, max_seq_len=1024,
+    ),
+    "qwen3_30b_a3b": dict(
+        vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+        d_ff=6144, n_experts=128, top_k=8, d_expert=768, norm_topk_prob=True, rope_theta=1e6,
+        rms_eps=1e-6, max_seq_len=40960, tie_embeddings=False, dtype="bfloat16",
+        param_dtype="bfloat16", dispatch="ragged",
+    ),
+    "qwen3_235b_a22b": dict(
+        vocab_size=151936, d_model=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
+        d_ff=12288, n_experts=128, top_k=8, d_expert=1536, norm_topk_prob=True, rope_theta=1e6,
+        rms_eps=1e-6, max_seq_len=40960, tie_embeddings=False, dtype="bfloat16",
+        param_dtype="bfloat16", dispatch="ragged",
+    ),
+}
+PRESETS = tuple(_PRESETS)
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset (one of PRESETS), with `overrides` applied."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {PRESETS}")
+    return ModelConfig(**{**_PRESETS[name], **overrides})

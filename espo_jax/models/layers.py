@@ -1,0 +1,178 @@
+"""Building blocks of the Qwen3 decoder: RMSNorm, RoPE, dense projections, grouped-query
+attention (with q/k norm and an optional KV cache) and the SwiGLU MLP.
+
+Every weight is declared with logical axis names (`nn.with_logical_partitioning`), which
+espo_jax/sharding.py maps to mesh axes. Kernels are read through `weight`, which returns a
+caller-supplied value as is (a float array or an FP8 pytree from `quant.quantize_params`), so
+one forward serves float and quantised parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from espo_jax.models import quant
+from espo_jax.models.config import ModelConfig
+
+Axes = tuple[str | None, ...]
+
+
+def weight(
+    module: nn.Module, name: str, init: Callable, shape: tuple[int, ...], axes: Axes, dtype: Any
+) -> Any:
+    """The parameter `name` of `module`: declared (with logical axes) at init, read as given at
+    apply time (possibly an FP8 `{"qvalue", "scale"}` pytree, which `nn.Module.param` would
+    reject because its shape differs from the float initialiser's)."""
+    if module.has_variable("params", name):
+        return module.get_variable("params", name)
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * scale, the statistics in fp32 (HF Qwen3RMSNorm)."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = weight(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",),
+                       self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return jnp.asarray(scale, self.dtype) * y.astype(self.dtype)
+
+
+class Dense(nn.Module):
+    """y = x @ kernel (+ bias); kernel stored [in, out] with logical `axes`."""
+
+    features: int
+    axes: Axes
+    use_bias: bool = False
+    std: float = 0.02
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = weight(self, "kernel", nn.initializers.normal(self.std),
+                        (x.shape[-1], self.features), self.axes, self.param_dtype)
+        y = jnp.dot(x.astype(self.dtype), quant.maybe_dequant(kernel, self.dtype))
+        if self.use_bias:
+            bias = weight(self, "bias", nn.initializers.zeros, (self.features,),
+                          (self.axes[-1],), self.param_dtype)
+            y = y + jnp.asarray(bias, self.dtype)
+        return y
+
+
+def dense(config: ModelConfig, features: int, axes: Axes, name: str, bias: bool = False) -> Dense:
+    return Dense(features, axes, use_bias=bias, std=config.init_std, dtype=config.dtype,
+                 param_dtype=config.param_dtype, name=name)
+
+
+def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
+    return RMSNorm(config.rms_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
+
+
+def rope(x_BxTxNxA: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding as HF: inv_freq = theta^(-2i/A), halves rotated (not interleaved)."""
+    a = x_BxTxNxA.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, a, 2, dtype=jnp.float32) / a))
+    freqs_BxTxA2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs_BxTxA2, freqs_BxTxA2], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x1, x2 = jnp.split(x_BxTxNxA, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x_BxTxNxA * cos + rotated * sin).astype(x_BxTxNxA.dtype)
+
+
+def write_cache(
+    cache_BxSxKxA: jax.Array, new_BxTxKxA: jax.Array, slots_BxT: jax.Array
+) -> jax.Array:
+    """Write row b's T new entries at cache slots `slots_BxT[b]`; slots >= S are dropped."""
+    b_idx = jnp.arange(new_BxTxKxA.shape[0])[:, None]
+    return cache_BxSxKxA.at[b_idx, slots_BxT].set(
+        new_BxTxKxA.astype(cache_BxSxKxA.dtype), mode="drop"
+    )
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (K kv heads shared by H/K query heads each), q/k RMSNorm per
+    head, RoPE. A query at position p sees keys at positions <= p that are valid."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_BxT: jax.Array,
+        valid_BxT: jax.Array,
+        cache: dict | None = None,
+        cache_mask_BxS: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict | None]:
+        c = self.config
+        b, t, _ = x_BxTxD.shape
+        h, kv, a = c.n_heads, c.n_kv_heads, c.head_dim
+        q = dense(c, h * a, ("embed", "heads"), "q_proj", c.qkv_bias)(x_BxTxD)
+        k = dense(c, kv * a, ("embed", "kv_heads"), "k_proj", c.qkv_bias)(x_BxTxD)
+        v = dense(c, kv * a, ("embed", "kv_heads"), "v_proj", c.qkv_bias)(x_BxTxD)
+        q_BxTxHxA, k_BxTxKxA = q.reshape(b, t, h, a), k.reshape(b, t, kv, a)
+        v_BxTxKxA = v.reshape(b, t, kv, a)
+        if c.qk_norm:
+            q_BxTxHxA = rms_norm(c, "q_norm")(q_BxTxHxA)
+            k_BxTxKxA = rms_norm(c, "k_norm")(k_BxTxKxA)
+        q_BxTxHxA = rope(q_BxTxHxA, positions_BxT, c.rope_theta)
+        k_BxTxKxA = rope(k_BxTxKxA, positions_BxT, c.rope_theta)
+
+        new_cache = None
+        if cache is None:
+            keys_BxSxKxA, values_BxSxKxA = k_BxTxKxA, v_BxTxKxA
+            key_pos_BxS, key_valid_BxS = positions_BxT, valid_BxT
+        else:
+            s = cache["k"].shape[1]
+            # Padding tokens (valid False) are not written: their slot index S is dropped.
+            slots_BxT = jnp.where(valid_BxT, positions_BxT, s)
+            new_cache = {"k": write_cache(cache["k"], k_BxTxKxA, slots_BxT),
+                         "v": write_cache(cache["v"], v_BxTxKxA, slots_BxT)}
+            keys_BxSxKxA = new_cache["k"].astype(c.dtype)
+            values_BxSxKxA = new_cache["v"].astype(c.dtype)
+            key_pos_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
+            written_BxS = write_cache(jnp.zeros((b, s, 1, 1), bool),
+                                      jnp.ones((b, t, 1, 1), bool), slots_BxT)[..., 0, 0]
+            key_valid_BxS = cache_mask_BxS | written_BxS
+
+        g = h // kv
+        q_BxTxKxGxA = q_BxTxHxA.reshape(b, t, kv, g, a)
+        scores = jnp.einsum("btkga,bska->bkgts", q_BxTxKxGxA, keys_BxSxKxA,
+                            preferred_element_type=jnp.float32) * (a ** -0.5)
+        mask_BxTxS = (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]) & key_valid_BxS[
+            :, None, :
+        ]
+        # A finite minimum rather than -inf: a query with no valid key (a padding query)
+        # gets a uniform, finite distribution instead of NaN; its output is never used.
+        scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
+        out_BxTxKxGxA = jnp.einsum("bkgts,bska->btkga", probs, values_BxSxKxA)
+        out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxKxGxA.reshape(b, t, h * a))
+        return out, new_cache
+
+
+class Mlp(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) (dense layers and the shared expert)."""
+
+    config: ModelConfig
+    d_ff: int
+
+    @nn.compact
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        c = self.config
+        gate = dense(c, self.d_ff, ("embed", "mlp"), "gate_proj")(x_BxTxD)
+        up = dense(c, self.d_ff, ("embed", "mlp"), "up_proj")(x_BxTxD)
+        return dense(c, c.d_model, ("mlp", "embed"), "down_proj")(nn.silu(gate) * up)

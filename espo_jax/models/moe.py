@@ -1,0 +1,264 @@
+"""The mixture-of-experts layer: router, expert selection (with router replay), dispatch to the
+experts, and the auxiliary losses, each a separate function; `MoeBlock` wires them together.
+
+Token-level arrays are flattened: N = B*T tokens, A = N*k (token, expert) assignments.
+
+Dispatch implementations (`ModelConfig.dispatch`):
+- "dropless" (default): sort the assignments by expert, pad each expert's group to a multiple
+  of a block of rows, and run one batched matmul over the blocks with each block's expert
+  weights gathered. Every token reaches exactly its top-k experts (as Hugging Face and vLLM
+  compute it); static shapes (A + E*(block-1) rows at most); the fastest exact dispatch
+  measured on CPU (see the report in the commit history / README).
+- "capacity": each expert takes at most C = ceil(A/E * capacity_factor) assignments, the rest
+  are dropped (their contribution is zero) and counted in `moe/dropped_frac`.
+- "ragged": `jax.lax.ragged_dot` grouped matmul (exact; fast on GPU/TPU, slow on CPU).
+- "dense": every expert on every token, weighted by the sparse gates (exact; E/k times the
+  compute; a reference).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from espo_jax.models import quant
+from espo_jax.models.config import ModelConfig
+from espo_jax.models.layers import Mlp, dense, weight
+
+
+# ---- router ------------------------------------------------------------------------------------
+def router_logits(x_NxD: jax.Array, kernel_DxE) -> jax.Array:
+    """Router logits in fp32 (the router weight stays high precision)."""
+    return jnp.dot(x_NxD.astype(jnp.float32), quant.maybe_dequant(kernel_DxE, jnp.float32))
+
+
+def select_experts(
+    logits_NxE: jax.Array,
+    top_k: int,
+    norm_topk_prob: bool,
+    replay_Nxk: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts of softmax(logits) and their gate weights.
+
+    Router replay: where a token's row of `replay_Nxk` holds expert ids (>= 0) they replace the
+    top-k choice; the gate weights are the live softmax probabilities gathered at the used
+    experts (renormalised when `norm_topk_prob`), so gradients reach the router either way.
+    Rows containing the sentinel -1 route normally.
+    """
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    _, idx_Nxk = jax.lax.top_k(probs_NxE, top_k)
+    if replay_Nxk is not None:
+        replay_Nxk = replay_Nxk.astype(idx_Nxk.dtype)
+        use_replay_N = jnp.all(replay_Nxk >= 0, axis=-1, keepdims=True)
+        idx_Nxk = jnp.where(use_replay_N, replay_Nxk, idx_Nxk)
+    weights_Nxk = jnp.take_along_axis(probs_NxE, idx_Nxk, axis=-1)
+    if norm_topk_prob:
+        weights_Nxk = weights_Nxk / jnp.sum(weights_Nxk, axis=-1, keepdims=True)
+    return idx_Nxk.astype(jnp.int32), weights_Nxk
+
+
+# ---- auxiliary losses ----------------------------------------------------------------------------
+def load_balance_loss(
+    logits_NxE: jax.Array, idx_Nxk: jax.Array, mask_N: jax.Array | None = None
+) -> jax.Array:
+    """Switch-style load balancing, as HF `load_balancing_loss_func` (per layer):
+    E * sum_e f_e * p_e, f_e = fraction of tokens routed to e (sums to k over e), p_e = mean
+    router probability of e. Perfectly uniform routing gives E * E * (k/E) * (1/E) = k."""
+    e = logits_NxE.shape[-1]
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    chosen_NxE = jnp.sum(jax.nn.one_hot(idx_Nxk, e, dtype=jnp.float32), axis=1)
+    w_N = jnp.ones(probs_NxE.shape[0]) if mask_N is None else mask_N.astype(jnp.float32)
+    denom = jnp.maximum(jnp.sum(w_N), 1.0)
+    f_E = jnp.sum(chosen_NxE * w_N[:, None], axis=0) / denom
+    p_E = jnp.sum(probs_NxE * w_N[:, None], axis=0) / denom
+    return e * jnp.sum(f_E * p_E)
+
+
+def z_loss(logits_NxE: jax.Array, mask_N: jax.Array | None = None) -> jax.Array:
+    """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
+    z_N = jax.nn.logsumexp(logits_NxE.astype(jnp.float32), axis=-1) ** 2
+    w_N = jnp.ones_like(z_N) if mask_N is None else mask_N.astype(jnp.float32)
+    return jnp.sum(z_N * w_N) / jnp.maximum(jnp.sum(w_N), 1.0)
+
+
+def routing_flip_rate(
+    experts_a: jax.Array, experts_b: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Fraction of (token, layer) routing decisions whose expert *sets* differ, per MoE layer.
+
+    experts_*: int [..., M, k]; mask: bool [...] (the token axes). Returns float [M]."""
+    same = jnp.all(jnp.sort(experts_a, axis=-1) == jnp.sort(experts_b, axis=-1), axis=-1)
+    flip = 1.0 - same.astype(jnp.float32)  # [..., M]
+    w = jnp.ones(flip.shape[:-1]) if mask is None else mask.astype(jnp.float32)
+    axes = tuple(range(flip.ndim - 1))
+    return jnp.sum(flip * w[..., None], axis=axes) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+# ---- experts and dispatch ------------------------------------------------------------------------
+def expert_ffn(x_GxRxD: jax.Array, wg_GxDxF, wu_GxDxF, wo_GxFxD) -> jax.Array:
+    """SwiGLU of G row groups, each with its own expert weights."""
+    h = nn.silu(jnp.einsum("grd,gdf->grf", x_GxRxD, wg_GxDxF)) * jnp.einsum(
+        "grd,gdf->grf", x_GxRxD, wu_GxDxF
+    )
+    return jnp.einsum("grf,gfd->grd", h, wo_GxFxD)
+
+
+def _sort_by_expert(idx_A: jax.Array, n_experts: int):
+    """Stable sort of the assignments by expert: (order_A, sorted expert, rank within its
+    expert's group, count per expert)."""
+    order_A = jnp.argsort(idx_A, stable=True)
+    sorted_e_A = idx_A[order_A]
+    counts_E = jnp.zeros(n_experts, jnp.int32).at[idx_A].add(1)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    rank_A = jnp.arange(idx_A.shape[0], dtype=jnp.int32) - starts_E[sorted_e_A]
+    return order_A, sorted_e_A, rank_A, counts_E
+
+
+def _combine(y_PxD, dest_A, weights_Nxk) -> jax.Array:
+    """Gather each assignment's expert output (row P = zero when dropped) and sum over k."""
+    n, k = weights_Nxk.shape
+    y_pad = jnp.concatenate([y_PxD, jnp.zeros((1, y_PxD.shape[-1]), y_PxD.dtype)])
+    y_NxkxD = y_pad[dest_A].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y_NxkxD, weights_Nxk.astype(y_PxD.dtype))
+
+
+def _gather_rows(x_NxD, dest_A, k, n_rows) -> jax.Array:
+    """[n_rows, D] buffer: row dest_A[a] holds x of assignment a's token; other rows zero."""
+    n = x_NxD.shape[0]
+    token_A = jnp.arange(dest_A.shape[0], dtype=jnp.int32) // k
+    src = jnp.full((n_rows,), n, jnp.int32).at[dest_A].set(token_A, mode="drop")
+    x_pad = jnp.concatenate([x_NxD, jnp.zeros((1, x_NxD.shape[-1]), x_NxD.dtype)])
+    return x_pad[src]
+
+
+def block_size(n_assignments: int, n_experts: int) -> int:
+    """Rows per block of the dropless dispatch: ~ a quarter of an expert's mean load, a power of
+    two in [8, 128] (padding waste is at most E*(block-1) rows)."""
+    target = max(1, n_assignments // (4 * n_experts))
+    return int(min(128, max(8, 2 ** round(math.log2(target)))))
+
+
+def dropless_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
+                      block: int | None = None) -> jax.Array:
+    """Exact top-k MoE with static shapes: expert groups padded to `block` rows."""
+    n, k = idx_Nxk.shape
+    e = wg_ExDxF.shape[0]
+    a = n * k
+    b = block or block_size(a, e)
+    order_A, sorted_e_A, rank_A, counts_E = _sort_by_expert(idx_Nxk.reshape(a), e)
+    padded_E = (counts_E + b - 1) // b * b
+    ends_E = jnp.cumsum(padded_E)
+    pstart_E = ends_E - padded_E
+    n_blocks = -(-(a + e * (b - 1)) // b)  # static upper bound on sum(padded_E) / b
+    dest_sorted = pstart_E[sorted_e_A] + rank_A
+    dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(dest_sorted)
+    x_GxRxD = _gather_rows(x_NxD, dest_A, k, n_blocks * b).reshape(n_blocks, b, -1)
+    block_e = jnp.searchsorted(ends_E, jnp.arange(n_blocks) * b, side="right")
+    block_e = jnp.minimum(block_e, e - 1)  # trailing all-padding blocks
+    y = expert_ffn(x_GxRxD, wg_ExDxF[block_e], wu_ExDxF[block_e], wo_ExFxD[block_e])
+    return _combine(y.reshape(n_blocks * b, -1), dest_A, weights_Nxk)
+
+
+def capacity_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
+                      capacity_factor: float) -> tuple[jax.Array, jax.Array]:
+    """Each expert processes at most C = ceil(A/E * capacity_factor) assignments (earlier tokens
+    first); returns (output, dropped fraction of assignments)."""
+    n, k = idx_Nxk.shape
+    e = wg_ExDxF.shape[0]
+    a = n * k
+    cap = max(1, math.ceil(a / e * capacity_factor))
+    order_A, sorted_e_A, rank_A, _ = _sort_by_expert(idx_Nxk.reshape(a), e)
+    keep = rank_A < cap
+    dest_sorted = jnp.where(keep, sorted_e_A * cap + rank_A, e * cap)  # e*cap: dropped
+    dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(dest_sorted)
+    x_ExCxD = _gather_rows(x_NxD, dest_A, k, e * cap).reshape(e, cap, -1)
+    y = expert_ffn(x_ExCxD, wg_ExDxF, wu_ExDxF, wo_ExFxD)
+    dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    return _combine(y.reshape(e * cap, -1), dest_A, weights_Nxk), dropped
+
+
+def ragged_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD) -> jax.Array:
+    """Exact top-k MoE with `lax.ragged_dot` over the expert-sorted assignments."""
+    n, k = idx_Nxk.shape
+    e = wg_ExDxF.shape[0]
+    a = n * k
+    order_A, _, _, counts_E = _sort_by_expert(idx_Nxk.reshape(a), e)
+    xs_AxD = x_NxD[order_A // k]
+    h = nn.silu(jax.lax.ragged_dot(xs_AxD, wg_ExDxF, counts_E)) * jax.lax.ragged_dot(
+        xs_AxD, wu_ExDxF, counts_E
+    )
+    ys_AxD = jax.lax.ragged_dot(h, wo_ExFxD, counts_E)
+    dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32))
+    return _combine(ys_AxD, dest_A, weights_Nxk)
+
+
+def dense_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD) -> jax.Array:
+    """Every expert on every token; non-selected experts get weight zero."""
+    e = wg_ExDxF.shape[0]
+    gates_NxE = jnp.sum(jax.nn.one_hot(idx_Nxk, e, dtype=x_NxD.dtype)
+                        * weights_Nxk[..., None].astype(x_NxD.dtype), axis=1)
+    x_ExNxD = jnp.broadcast_to(x_NxD, (e,) + x_NxD.shape)
+    y_ExNxD = expert_ffn(x_ExNxD, wg_ExDxF, wu_ExDxF, wo_ExFxD)
+    return jnp.einsum("end,ne->nd", y_ExNxD, gates_NxE)
+
+
+# ---- the layer ---------------------------------------------------------------------------------
+class Router(nn.Module):
+    """Holds the router kernel [D, E]; returns fp32 logits."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_NxD: jax.Array) -> jax.Array:
+        c = self.config
+        kernel = weight(self, "kernel", nn.initializers.normal(c.init_std),
+                        (x_NxD.shape[-1], c.n_experts), ("embed", None), c.param_dtype)
+        return router_logits(x_NxD, kernel)
+
+
+class MoeBlock(nn.Module):
+    """Router + experts (+ optional Qwen2-MoE shared expert with a sigmoid gate)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD: jax.Array, replay_BxTxk: jax.Array | None,
+                 mask_BxT: jax.Array | None):
+        c = self.config
+        b, t, d = x_BxTxD.shape
+        e, f = c.n_experts, c.d_expert
+        x_NxD = x_BxTxD.reshape(b * t, d)
+        logits_NxE = Router(c, name="router")(x_NxD)
+        replay_Nxk = None if replay_BxTxk is None else replay_BxTxk.reshape(b * t, c.top_k)
+        idx_Nxk, weights_Nxk = select_experts(logits_NxE, c.top_k, c.norm_topk_prob, replay_Nxk)
+
+        init = nn.initializers.normal(c.init_std)
+        wg = weight(self, "wi_gate", init, (e, d, f), ("exp", "embed", "mlp"), c.param_dtype)
+        wu = weight(self, "wi_up", init, (e, d, f), ("exp", "embed", "mlp"), c.param_dtype)
+        wo = weight(self, "wo", init, (e, f, d), ("exp", "mlp", "embed"), c.param_dtype)
+        wg, wu, wo = (quant.maybe_dequant(w, c.dtype) for w in (wg, wu, wo))
+        xc = x_NxD.astype(c.dtype)
+        dropped = jnp.zeros((), jnp.float32)
+        if c.dispatch == "dropless":
+            y_NxD = dropless_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo)
+        elif c.dispatch == "capacity":
+            y_NxD, dropped = capacity_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo,
+                                               c.capacity_factor)
+        elif c.dispatch == "ragged":
+            y_NxD = ragged_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo)
+        else:
+            y_NxD = dense_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo)
+
+        if c.shared_expert_d_ff:
+            shared = Mlp(c, c.shared_expert_d_ff, name="shared_expert")(xc)
+            gate = dense(c, 1, ("embed", None), "shared_expert_gate")(xc)
+            y_NxD = y_NxD + nn.sigmoid(gate.astype(jnp.float32)).astype(c.dtype) * shared
+
+        mask_N = None if mask_BxT is None else mask_BxT.reshape(b * t)
+        stats = {"load_balance_loss": load_balance_loss(logits_NxE, idx_Nxk, mask_N),
+                 "z_loss": z_loss(logits_NxE, mask_N), "dropped_frac": dropped}
+        return (y_NxD.reshape(b, t, d), logits_NxE.reshape(b, t, e),
+                idx_Nxk.reshape(b, t, c.top_k), stats)

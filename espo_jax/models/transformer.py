@@ -1,0 +1,226 @@
+"""The decoder: blocks, the pure `forward`, `init_params`, and the KV cache.
+
+`forward(config, params, tokens_BxT, ...)` is a pure function of a plain parameter pytree (the
+Linen module is applied inside), so the learner can `jax.grad` it and the engine can `jax.jit`
+it with static shapes. See model_contract (in the repository history) and the package
+docstring for the parameter tree and the cache layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from espo_jax.models import quant
+from espo_jax.models.config import ModelConfig
+from espo_jax.models.layers import Attention, Mlp, dense, rms_norm, weight
+from espo_jax.models.moe import MoeBlock
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    """What `forward` returns. `logits` is None when `return_logits=False`; `hidden` (the
+    final-normed hidden state) is None unless `return_hidden=True`; `cache` is None unless a
+    cache was passed in."""
+
+    logits: jax.Array | None  # [B, T, V] float32
+    hidden: jax.Array | None  # [B, T, D]
+    router_logits: tuple[jax.Array, ...]  # M arrays [B, T, E] float32
+    routed_experts: jax.Array  # int32 [B, T, M, k], the experts actually used
+    aux_loss: jax.Array  # aux_loss_coef * load balance + z_loss_coef * z-loss (layer means)
+    metrics: dict[str, jax.Array]
+    cache: dict | None = None
+
+
+class Block(nn.Module):
+    """Pre-norm attention, then pre-norm MoE (or dense SwiGLU) MLP, each with a residual."""
+
+    config: ModelConfig
+    moe: bool
+
+    @nn.compact
+    def __call__(self, x_BxTxD, positions_BxT, valid_BxT, replay_BxTxk, cache, cache_mask_BxS):
+        c = self.config
+        h, new_cache = Attention(c, name="attn")(
+            rms_norm(c, "attn_norm")(x_BxTxD), positions_BxT, valid_BxT, cache, cache_mask_BxS
+        )
+        x_BxTxD = x_BxTxD + h
+        y = rms_norm(c, "mlp_norm")(x_BxTxD)
+        if self.moe:
+            y, logits, experts, stats = MoeBlock(c, name="moe")(y, replay_BxTxk, valid_BxT)
+            routing = (logits, experts, stats)
+        else:
+            y, routing = Mlp(c, c.d_ff, name="mlp")(y), None
+        return x_BxTxD + y, new_cache, routing
+
+
+class Embed(nn.Module):
+    """Token embedding [V, D]; `attend` gives logits against it (tied LM head)."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        self.embedding = weight(self, "embedding", nn.initializers.normal(c.init_std),
+                                (c.vocab_size, c.d_model), ("vocab", "embed"), c.param_dtype)
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        return jnp.take(quant.maybe_dequant(self.embedding, self.config.dtype), tokens_BxT, axis=0)
+
+    def attend(self, x_BxTxD: jax.Array) -> jax.Array:
+        c = self.config
+        return jnp.dot(x_BxTxD.astype(c.dtype), quant.maybe_dequant(self.embedding, c.dtype).T)
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxT, positions_BxT, valid_BxT, replay_BxTxMxk, cache,
+                 cache_mask_BxS, return_logits: bool):
+        c = self.config
+        embed = Embed(c, name="embed")
+        x = embed(tokens_BxT)
+        new_cache, logits_list, experts_list, stats_list = {}, [], [], []
+        for i in range(c.n_layers):
+            m = len(experts_list)
+            moe = c.is_moe_layer(i)
+            replay = replay_BxTxMxk[:, :, m] if (moe and replay_BxTxMxk is not None) else None
+            layer_cache = None if cache is None else cache[f"layers_{i}"]
+            x, layer_cache, routing = Block(c, moe, name=f"layers_{i}")(
+                x, positions_BxT, valid_BxT, replay, layer_cache, cache_mask_BxS
+            )
+            if cache is not None:
+                new_cache[f"layers_{i}"] = layer_cache
+            if routing is not None:
+                logits_list.append(routing[0])
+                experts_list.append(routing[1])
+                stats_list.append(routing[2])
+        hidden = rms_norm(c, "final_norm")(x)
+        logits = None
+        if return_logits:
+            if c.tie_embeddings:
+                logits = embed.attend(hidden)
+            else:
+                logits = dense(c, c.vocab_size, ("embed", "vocab"), "lm_head")(hidden)
+            logits = logits.astype(jnp.float32)
+        return hidden, logits, logits_list, experts_list, stats_list, (
+            new_cache if cache is not None else None)
+
+
+def _check_shape(name: str, x: jax.Array | None, shape: tuple[int, ...]) -> None:
+    if x is not None and tuple(x.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {shape}")
+
+
+def forward(
+    config: ModelConfig,
+    params: dict,
+    tokens_BxT: jax.Array,
+    *,
+    positions_BxT: jax.Array | None = None,
+    attention_mask_BxT: jax.Array | None = None,
+    routed_experts_BxTxMxk: jax.Array | None = None,
+    cache: dict | None = None,
+    cache_mask_BxS: jax.Array | None = None,
+    return_hidden: bool = False,
+    return_logits: bool = True,
+    deterministic: bool = True,
+) -> ModelOutput:
+    """Run the model on tokens_BxT (int).
+
+    positions_BxT: default arange(T) in every row. attention_mask_BxT: True = real token; keys
+    that are False are never attended to (and are excluded from the aux losses).
+    routed_experts_BxTxMxk: router replay, expert ids per token and MoE layer; a token whose row
+    holds the sentinel -1 routes normally. cache (from `init_cache`) with cache_mask_BxS
+    (True = slot holds a real earlier token of the row): the T new tokens are written at slots
+    positions_BxT (padding tokens are not written) and each query at position p attends to
+    valid slots s <= p (the slots written now count as valid); the updated cache is returned.
+    deterministic: Qwen3-MoE has no dropout (HF attention_dropout = 0), so the output is the
+    same either way; the flag exists for callers written against a generic policy interface.
+    """
+    del deterministic  # no stochastic layers in this architecture (see docstring)
+    tokens_BxT = jnp.asarray(tokens_BxT)
+    if tokens_BxT.ndim != 2:
+        raise ValueError(f"tokens_BxT must be [B, T], got shape {tokens_BxT.shape}")
+    b, t = tokens_BxT.shape
+    if positions_BxT is None:
+        positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if attention_mask_BxT is None:
+        valid_BxT = jnp.ones((b, t), bool)
+    else:
+        valid_BxT = jnp.asarray(attention_mask_BxT).astype(bool)
+    _check_shape("positions_BxT", positions_BxT, (b, t))
+    _check_shape("attention_mask_BxT", valid_BxT, (b, t))
+    _check_shape("routed_experts_BxTxMxk", routed_experts_BxTxMxk,
+                 (b, t, config.n_moe_layers, config.top_k))
+    if cache is not None:
+        if cache_mask_BxS is None:
+            raise ValueError("forward(cache=...) needs cache_mask_BxS (True = slot holds a "
+                             "real earlier token of the row; all False for an empty cache)")
+        missing = [f"layers_{i}" for i in range(config.n_layers) if f"layers_{i}" not in cache]
+        if missing:
+            raise ValueError(f"cache lacks entries for {missing}; build it with init_cache")
+        s = cache["layers_0"]["k"].shape[1]
+        _check_shape("cache_mask_BxS", cache_mask_BxS, (b, s))
+        cache_mask_BxS = jnp.asarray(cache_mask_BxS).astype(bool)
+    hidden, logits, r_logits, experts, stats, new_cache = Transformer(config).apply(
+        {"params": params}, tokens_BxT, jnp.asarray(positions_BxT), valid_BxT,
+        routed_experts_BxTxMxk, cache, cache_mask_BxS, return_logits,
+    )
+    if experts:
+        routed = jnp.stack(experts, axis=2)
+        mean = {k: jnp.mean(jnp.stack([s[k] for s in stats])) for k in stats[0]}
+    else:
+        routed = jnp.zeros((b, t, 0, config.top_k), jnp.int32)
+        mean = {k: jnp.zeros((), jnp.float32) for k in
+                ("load_balance_loss", "z_loss", "dropped_frac")}
+    aux = config.aux_loss_coef * mean["load_balance_loss"] + config.z_loss_coef * mean["z_loss"]
+    return ModelOutput(
+        logits=logits,
+        hidden=hidden if return_hidden else None,
+        router_logits=tuple(r_logits),
+        routed_experts=routed,
+        aux_loss=aux,
+        metrics={f"moe/{k}": v for k, v in mean.items()},
+        cache=new_cache,
+    )
+
+
+def _dummy_tokens() -> jax.Array:
+    return jnp.zeros((1, 1), jnp.int32)
+
+
+def init_boxed(config: ModelConfig, rng: jax.Array) -> dict:
+    """Parameters with their logical-axis metadata (`nn.LogicallyPartitioned` leaves)."""
+    t = _dummy_tokens()
+    return Transformer(config).init(
+        rng, t, jnp.zeros_like(t), jnp.ones(t.shape, bool), None, None, None, True
+    )["params"]
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+    """A plain parameter pytree (see the package docstring for its layout)."""
+    return nn.meta.unbox(init_boxed(config, rng))
+
+
+def lm_head_kernel(config: ModelConfig, params: dict, dtype: Any = None) -> jax.Array:
+    """The [D, V] LM-head kernel (the embedding transposed when tied), dequantised if FP8,
+    so callers can compute log-probs from `hidden` in vocabulary or sequence chunks."""
+    dtype = dtype or config.dtype
+    if config.tie_embeddings:
+        return quant.maybe_dequant(params["embed"]["embedding"], dtype).T
+    return quant.maybe_dequant(params["lm_head"]["kernel"], dtype)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:
+    """An empty KV cache: {"layers_{i}": {"k": [B, S, K, A], "v": [B, S, K, A]}}, zeros.
+    Slot s holds the token at position s; validity is the caller's `cache_mask_BxS`."""
+    dtype = dtype or config.dtype
+    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
+    return {f"layers_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            for i in range(config.n_layers)}

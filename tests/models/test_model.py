@@ -1,0 +1,276 @@
+"""Model: config validation, parameter tree, forward semantics, dispatch exactness, aux losses."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax.models import (
+    ModelConfig,
+    forward,
+    get_preset,
+    init_params,
+    lm_head_kernel,
+    moe,
+)
+
+TINY = get_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(TINY, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
+
+
+def shapes(tree):
+    return jax.tree_util.tree_map(lambda x: tuple(x.shape), tree)
+
+
+# ---- config -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(n_heads=4, n_kv_heads=3), "n_heads (4) must be divisible by n_kv_heads (3)"),
+        (dict(top_k=9), "top_k must be in [1, n_experts=8], got 9"),
+        (dict(dispatch="sparse"), "dispatch 'sparse' is not one of"),
+        (dict(head_dim=15), "head_dim must be even"),
+        (dict(dtype="float64"), "dtype 'float64' is not one of"),
+    ],
+)
+def test_config_rejects_bad_values(changes, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        TINY.replace(**changes)
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ValueError, match="valid presets: .*'tiny'.*'qwen3_235b_a22b'"):
+        get_preset("huge")
+
+
+def test_qwen_presets_have_the_published_sizes():
+    c30 = get_preset("qwen3_30b_a3b")
+    c235 = get_preset("qwen3_235b_a22b")
+    # Qwen3-30B-A3B: 30.5B total / 3.3B active; Qwen3-235B-A22B: 235B total / 22B active
+    # (Qwen3 technical report). The formula counts every weight tensor.
+    assert 30.0e9 < c30.param_count() < 31.0e9
+    assert 3.2e9 < c30.param_count(active=True) < 3.4e9
+    assert 234e9 < c235.param_count() < 236e9
+    assert 21.5e9 < c235.param_count(active=True) < 22.5e9
+    assert c30.moe_layers == tuple(range(48))
+
+
+# ---- parameter tree ---------------------------------------------------------------------------
+def test_param_tree_matches_contract(params):
+    s = shapes(params)
+    assert set(s) == {"embed", "final_norm", "lm_head", "layers_0", "layers_1"}
+    assert s["embed"] == {"embedding": (128, 64)}
+    assert s["lm_head"] == {"kernel": (64, 128)}
+    layer = s["layers_1"]
+    assert layer["attn"] == {
+        "q_proj": {"kernel": (64, 4 * 16)}, "k_proj": {"kernel": (64, 2 * 16)},
+        "v_proj": {"kernel": (64, 2 * 16)}, "o_proj": {"kernel": (4 * 16, 64)},
+        "q_norm": {"scale": (16,)}, "k_norm": {"scale": (16,)},
+    }
+    assert layer["moe"] == {"router": {"kernel": (64, 8)}, "wi_gate": (8, 64, 32),
+                            "wi_up": (8, 64, 32), "wo": (8, 32, 64)}
+    assert layer["attn_norm"] == layer["mlp_norm"] == {"scale": (64,)}
+
+
+def test_variant_trees_and_param_counts():
+    cfg = TINY.replace(moe_every=2, shared_expert_d_ff=24, tie_embeddings=True, qkv_bias=True,
+                       qk_norm=False)
+    p = init_params(cfg, jax.random.key(0))
+    s = shapes(p)
+    assert "lm_head" not in s
+    assert s["layers_0"]["mlp"] == {"gate_proj": {"kernel": (64, 128)},
+                                    "up_proj": {"kernel": (64, 128)},
+                                    "down_proj": {"kernel": (128, 64)}}
+    assert "moe" not in s["layers_0"] and "mlp" not in s["layers_1"]
+    assert s["layers_1"]["moe"]["shared_expert"]["down_proj"] == {"kernel": (24, 64)}
+    assert s["layers_1"]["moe"]["shared_expert_gate"] == {"kernel": (64, 1)}
+    assert s["layers_1"]["attn"]["q_proj"]["bias"] == (64,)
+    assert "q_norm" not in s["layers_1"]["attn"]
+    assert cfg.moe_layers == (1,)
+    for c, tree in ((cfg, p), (TINY, init_params(TINY, jax.random.key(0)))):
+        assert c.param_count() == sum(x.size for x in jax.tree_util.tree_leaves(tree))
+    # tiny by hand: attention 64*16*(4+2+2) + 64*64 + 2*64 (norms) + 2*16 (q/k norm) = 12448;
+    # MoE 64*8 + 8*3*64*32 = 49664; per layer 62112, 2 layers 124224; embed + head 2*128*64
+    # = 16384; final norm 64: total 140672.
+    assert TINY.param_count() == 140672
+
+
+# ---- forward semantics ------------------------------------------------------------------------
+def test_forward_shapes_and_metrics(params, tokens):
+    out = forward(TINY, params, tokens)
+    assert out.logits.shape == (2, 12, 128) and out.logits.dtype == jnp.float32
+    assert out.routed_experts.shape == (2, 12, 2, 2) and out.routed_experts.dtype == jnp.int32
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (2, 12, 8)
+    assert out.hidden is None and out.cache is None
+    assert np.isfinite(out.logits).all()
+    # the top-k of the returned router logits are the routed experts (no replay)
+    top = jax.lax.top_k(out.router_logits[1], 2)[1]
+    np.testing.assert_array_equal(np.sort(top, -1), np.sort(out.routed_experts[:, :, 1], -1))
+    lb, z = out.metrics["moe/load_balance_loss"], out.metrics["moe/z_loss"]
+    # the metrics are the layer means of the per-layer losses of the returned routing
+    lbs = [moe.load_balance_loss(out.router_logits[m].reshape(24, 8),
+                                 out.routed_experts[:, :, m].reshape(24, 2)) for m in range(2)]
+    zs = [moe.z_loss(out.router_logits[m].reshape(24, 8)) for m in range(2)]
+    np.testing.assert_allclose(lb, np.mean(lbs), rtol=1e-6)
+    np.testing.assert_allclose(z, np.mean(zs), rtol=1e-6)
+    assert out.metrics["moe/dropped_frac"] == 0.0
+    np.testing.assert_allclose(out.aux_loss, 0.001 * lb, rtol=1e-6)  # z_loss_coef is 0
+
+
+def test_wrong_shapes_are_rejected(params, tokens):
+    with pytest.raises(ValueError, match=r"routed_experts_BxTxMxk has shape \(2, 12, 1, 2\), "
+                                         r"expected \(2, 12, 2, 2\)"):
+        forward(TINY, params, tokens, routed_experts_BxTxMxk=jnp.zeros((2, 12, 1, 2), int))
+    with pytest.raises(ValueError, match="tokens_BxT must be"):
+        forward(TINY, params, tokens[0])
+
+
+def test_causal(params, tokens):
+    a = forward(TINY, params, tokens).logits
+    changed = tokens.at[:, 7:].set((tokens[:, 7:] + 1) % TINY.vocab_size)
+    b = forward(TINY, params, changed).logits
+    np.testing.assert_array_equal(a[:, :7], b[:, :7])
+    assert np.abs(a[:, 7:] - b[:, 7:]).max() > 1e-3
+
+
+def test_left_padding_with_attention_mask(params, tokens):
+    """A row left-padded by 3 (positions counted from its first real token) gives the
+    unpadded row's logits on its real tokens, whatever the padding ids are."""
+    real = tokens[:1, :9]
+    pad = jnp.concatenate([jnp.full((1, 3), 5), real], axis=1)
+    mask = jnp.arange(12)[None] >= 3
+    positions = jnp.maximum(jnp.arange(12)[None] - 3, 0)
+    ref = forward(TINY, params, real).logits
+    out = forward(TINY, params, pad, positions_BxT=positions, attention_mask_BxT=mask)
+    np.testing.assert_allclose(out.logits[:, 3:], ref, atol=1e-5)
+    pad2 = pad.at[:, :3].set(77)
+    out2 = forward(TINY, params, pad2, positions_BxT=positions, attention_mask_BxT=mask)
+    np.testing.assert_allclose(out2.logits[:, 3:], ref, atol=1e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads(tokens):
+    """A GQA model (K=2) equals the MHA model (K=H=4) whose k/v kernels repeat each kv head
+    for its H/K = 2 query heads."""
+    gqa = init_params(TINY, jax.random.key(3))
+    mha_cfg = TINY.replace(n_kv_heads=4)
+    mha = jax.tree_util.tree_map(lambda x: x, gqa)
+    for i in range(2):
+        for name in ("k_proj", "v_proj"):
+            k = gqa[f"layers_{i}"]["attn"][name]["kernel"].reshape(64, 2, 16)
+            mha[f"layers_{i}"]["attn"][name] = {
+                "kernel": jnp.repeat(k, 2, axis=1).reshape(64, 64)}
+    np.testing.assert_allclose(forward(mha_cfg, mha, tokens).logits,
+                               forward(TINY, gqa, tokens).logits, atol=1e-5)
+
+
+def test_return_hidden_and_lm_head_kernel(params, tokens):
+    out = forward(TINY, params, tokens, return_hidden=True, return_logits=False)
+    assert out.logits is None and out.hidden.shape == (2, 12, 64)
+    logits = forward(TINY, params, tokens).logits
+    np.testing.assert_allclose(out.hidden @ lm_head_kernel(TINY, params), logits, atol=1e-5)
+
+
+def test_tied_embeddings_use_the_embedding(tokens):
+    cfg = TINY.replace(tie_embeddings=True)
+    p = init_params(cfg, jax.random.key(0))
+    out = forward(cfg, p, tokens, return_hidden=True)
+    np.testing.assert_allclose(lm_head_kernel(cfg, p), p["embed"]["embedding"].T)
+    np.testing.assert_allclose(out.logits, out.hidden @ p["embed"]["embedding"].T, atol=1e-5)
+
+
+def test_dense_model_has_no_routing(tokens):
+    cfg = TINY.replace(moe_every=0)
+    out = forward(cfg, init_params(cfg, jax.random.key(0)), tokens)
+    assert out.routed_experts.shape == (2, 12, 0, 2) and out.router_logits == ()
+    assert out.aux_loss == 0.0
+
+
+def test_shared_expert_and_dense_every_other_layer_change_output(tokens):
+    cfg = TINY.replace(moe_every=2, shared_expert_d_ff=24)
+    p = init_params(cfg, jax.random.key(0))
+    out = forward(cfg, p, tokens)
+    assert out.routed_experts.shape == (2, 12, 1, 2)
+    # zeroing the shared expert's down projection removes exactly its contribution
+    p0 = jax.tree_util.tree_map(lambda x: x, p)
+    p0["layers_1"]["moe"]["shared_expert"]["down_proj"] = {"kernel": jnp.zeros((24, 64))}
+    assert np.abs(forward(cfg, p0, tokens).logits - out.logits).max() > 1e-4
+
+
+# ---- router and dispatch ------------------------------------------------------------------------
+@pytest.mark.parametrize("norm", [True, False])
+def test_select_experts_by_hand(norm):
+    # probs = softmax(log([1, 2, 3, 4])) = [.1, .2, .3, .4]; top-2 = experts 3, 2 with .4, .3;
+    # renormalised: 4/7, 3/7.
+    logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 4.0]]))
+    idx, w = moe.select_experts(logits, 2, norm)
+    np.testing.assert_array_equal(idx, [[3, 2]])
+    np.testing.assert_allclose(w, [[4 / 7, 3 / 7]] if norm else [[0.4, 0.3]], rtol=1e-6)
+
+
+def test_aux_losses_by_hand():
+    # Uniform router (all logits 0) and each expert chosen by the same number of tokens:
+    # f_e = k/E, p_e = 1/E, loss = E * E * (k/E) * (1/E) = k = 2.
+    logits = jnp.zeros((8, 8))
+    idx = jnp.array([[i, (i + 1) % 8] for i in range(8)])
+    np.testing.assert_allclose(moe.load_balance_loss(logits, idx), 2.0, rtol=1e-6)
+    # All tokens to experts 0 and 1 with a uniform router: f = [1, 1, 0...], p = 1/8:
+    # loss = 8 * (1/8 + 1/8) = 2 (the probability term is what the gradient pushes).
+    idx01 = jnp.tile(jnp.array([[0, 1]]), (8, 1))
+    np.testing.assert_allclose(moe.load_balance_loss(logits, idx01), 2.0, rtol=1e-6)
+    # Skewed probs: logits ln(7) on expert 0 -> p0 = 7/14 = .5, others 1/14; f = [1, 1, 0..]:
+    # loss = 8 * (.5 + 1/14) = 4.5714...
+    skew = jnp.zeros((8, 8)).at[:, 0].set(math.log(7.0))
+    np.testing.assert_allclose(moe.load_balance_loss(skew, idx01), 8 * (0.5 + 1 / 14), rtol=1e-5)
+    # z-loss: logsumexp(0 * 8) = ln 8; masked tokens do not count.
+    np.testing.assert_allclose(moe.z_loss(logits), math.log(8.0) ** 2, rtol=1e-6)
+    big = logits.at[4:].set(100.0)
+    np.testing.assert_allclose(moe.z_loss(big, jnp.arange(8) < 4), math.log(8.0) ** 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "ragged", "dense"])
+def test_dispatches_agree_with_dropless(params, tokens, dispatch):
+    ref = forward(TINY, params, tokens)
+    cfg = TINY.replace(dispatch=dispatch, capacity_factor=float(TINY.n_experts))
+    out = forward(cfg, params, tokens)
+    np.testing.assert_allclose(out.logits, ref.logits, atol=2e-5)
+    np.testing.assert_array_equal(out.routed_experts, ref.routed_experts)
+    assert out.metrics["moe/dropped_frac"] == 0.0
+
+
+def test_dropless_block_padding_is_exact():
+    """Blocks of 8 and of 1 rows give the same result as every expert on every token."""
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(k1, (37, 16))
+    w = [jax.random.normal(k, s) * 0.1 for k, s in
+         zip(jax.random.split(k2, 3), [(6, 16, 8), (6, 16, 8), (6, 8, 16)], strict=True)]
+    idx, gates = moe.select_experts(jax.random.normal(k3, (37, 6)), 3, True)
+    ref = moe.dense_dispatch(x, idx, gates, *w)
+    for block in (1, 8, 64):
+        np.testing.assert_allclose(moe.dropless_dispatch(x, idx, gates, *w, block=block), ref,
+                                   atol=1e-5)
+
+
+def test_capacity_drops_are_counted(params, tokens):
+    """All 24 tokens replayed to experts (0, 1): A = 48 assignments, C = ceil(48/8 * 1.0) = 6
+    per expert, so 12 are kept and 36/48 = 0.75 dropped in each layer."""
+    cfg = TINY.replace(dispatch="capacity", capacity_factor=1.0)
+    replay = jnp.broadcast_to(jnp.array([0, 1]), (2, 12, 2, 2))
+    out = forward(cfg, params, tokens, routed_experts_BxTxMxk=replay)
+    np.testing.assert_allclose(out.metrics["moe/dropped_frac"], 0.75)
+
+
+def test_config_is_hashable_and_static():
+    assert hash(TINY) == hash(get_preset("tiny"))
+    assert isinstance(TINY.replace(top_k=1), ModelConfig)
