@@ -54,7 +54,6 @@ from espo_jax.rollout.records import RecordDecodeError, RolloutGroup, decode, en
 from espo_jax.rollout.shards import (
     TMP_RE,
     WRITER_ID_RE,
-    WRITER_OPTIONS,
     OpenShard,
     ShardInfo,
     fsync,
@@ -63,6 +62,7 @@ from espo_jax.rollout.shards import (
     list_tmp_files,
     shard_name,
     tmp_name,
+    writer_options,
 )
 
 __all__ = ["BufferReader", "BufferWriter", "ShardInfo", "list_shards", "list_tmp_files"]
@@ -91,6 +91,7 @@ class BufferWriter:
         max_bytes_per_shard: int = 256 << 20,
         max_seconds_per_shard: float | None = None,
         stale_tmp_age_s: float = 24 * 3600.0,
+        compression: str = "uncompressed",
     ):
         if not isinstance(writer_id, str) or not WRITER_ID_RE.match(writer_id):
             raise ValueError(f"writer_id must match {WRITER_ID_RE.pattern}, got {writer_id!r}")
@@ -99,6 +100,7 @@ class BufferWriter:
                 f"max_records_per_shard ({max_records_per_shard}) and max_bytes_per_shard "
                 f"({max_bytes_per_shard}) must be >= 1"
             )
+        self._options = writer_options(compression)
         self.directory = epath.Path(directory)
         self.writer_id = writer_id
         self.session = f"{time.time_ns():016x}{secrets.token_hex(2)}"
@@ -153,7 +155,7 @@ class BufferWriter:
                 self._local_tmp = os.fspath(self.directory / self._tmp_name())
             else:
                 self._local_tmp = os.path.join(tempfile.mkdtemp(), self._tmp_name())
-            self._writer = array_record_module.ArrayRecordWriter(self._local_tmp, WRITER_OPTIONS)
+            self._writer = array_record_module.ArrayRecordWriter(self._local_tmp, self._options)
             self._opened_at = time.monotonic()
         self._writer.write(data)
         self._count += 1

@@ -48,6 +48,14 @@ def test_write_read_order_cursor_and_determinism(tmp_path):
     assert ids(read_all(BufferReader(tmp_path))) == ids(first + rest)  # same order again
 
 
+def test_compressed_shards_read_the_same(tmp_path):
+    with BufferWriter(tmp_path, "z", max_records_per_shard=2, compression="zstd:3") as w:
+        for k in range(3):
+            w.write(make_group(4, k))
+    got = read_all(BufferReader(tmp_path))
+    assert got == [make_group(4, k) for k in range(3)]
+
+
 def test_staleness_drops_and_counts(tmp_path):
     with BufferWriter(tmp_path, "w", max_records_per_shard=4) as w:
         for version in range(6):
@@ -160,9 +168,8 @@ def test_flipped_bytes_mid_shard_skip_one_record(tmp_path):
     (shard,) = list_shards(tmp_path)
     path = tmp_path / shard.name
     data = bytearray(path.read_bytes())
-    # Records lie in order from the file start; zstd keeps 90-100% of these bytes (tokens do not
-    # compress, uniform floats lose ~1 exponent byte in 4), so 42% of the raw total falls at
-    # 42-46% of the stored records: inside record 4 (of 0..9).
+    # Records lie in order from the file start, stored uncompressed (the default) plus small
+    # chunk and block headers, so 42% of the raw total is inside record 4 (of 0..9).
     offset = int(0.42 * sum(len(encode(g)) for g in groups))
     for i in range(offset, offset + 8):
         data[i] ^= 0xFF
@@ -209,6 +216,8 @@ def test_truncated_shard_and_foreign_record_reported(tmp_path):
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="writer_id must match"):
         BufferWriter(tmp_path, "has.dot")
+    with pytest.raises(ValueError, match="compression must be uncompressed, snappy, zstd:N"):
+        BufferWriter(tmp_path, "w", compression="gzip")
     with pytest.raises(ValueError, match="retention must be one of"):
         BufferReader(tmp_path, retention="forever")
     with pytest.raises(ValueError, match="not a rollout buffer cursor"):
