@@ -1,0 +1,167 @@
+"""Model benchmark: train-step throughput and MFU of the JAX model against transformers + torch.
+
+`python -m espo_jax.bench model [--quick] [--out FILE.json]`
+
+For each preset (`tiny`, `small`), in one process:
+- JAX: `jax.jit` train step (fp32, default dispatch), loss = next-token cross-entropy +
+  `ModelOutput.aux_loss`, AdamW (optax); tokens/s = B*T / median step time.
+- MFU = achieved model FLOP/s / peak FLOP/s, the peak being the median rate of a large fp32
+  `jnp.dot` (n x n x n, 2 n^3 FLOPs) measured in the same process. Model FLOPs per token use the
+  PaLM (arXiv 2204.02311, App. B) convention: 6 * N + 12 * L * H * A * T, where N counts the
+  weights a token multiplies (attention projections, router, its top-k experts, shared expert,
+  dense MLPs, LM head; not the embedding lookup) and the second term is the attention
+  score/value matmuls (forward + backward, no causal discount).
+- torch: the same weights exported with `hf_io.save_pretrained` and loaded by transformers
+  `AutoModelForCausalLM` (its default attention and experts implementations), trained with
+  `torch.optim.AdamW` on the same tokens with loss = cross-entropy + router_aux_loss_coef * aux.
+  The step-0 losses of both are reported: they agree, which shows it is the same model.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from espo_jax.bench import format_table, median_time
+from espo_jax.models import ModelConfig, forward, get_preset, hf_io, init_params
+
+PRESETS = ("tiny", "small")
+LEARNING_RATE = 1e-4
+
+
+def matmul_params_per_token(config: ModelConfig) -> int:
+    """N: weights one token multiplies in a forward pass (embedding lookup excluded)."""
+    c = config
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # q, k, v, o
+    moe = c.d_model * c.n_experts + c.top_k * 3 * c.d_model * c.d_expert
+    if c.shared_expert_d_ff:
+        moe += 3 * c.d_model * c.shared_expert_d_ff + c.d_model
+    dense = 3 * c.d_model * c.d_ff
+    n_moe = c.n_moe_layers
+    return c.n_layers * attn + n_moe * moe + (c.n_layers - n_moe) * dense + c.d_model * c.vocab_size
+
+
+def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """6 N + 12 L H A T (PaLM App. B): forward + backward matmul FLOPs per token."""
+    c = config
+    return 6 * matmul_params_per_token(c) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
+
+
+def peak_matmul_flops(n: int, repeats: int) -> float:
+    """Median FLOP/s of an fp32 [n, n] @ [n, n] `jnp.dot` (2 n^3 FLOPs)."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    seconds = median_time(lambda: dot(a, b).block_until_ready(), repeats)
+    return 2 * n**3 / seconds
+
+
+def _jax_loss(config: ModelConfig, params: dict, tokens_BxT: jax.Array) -> jax.Array:
+    out = forward(config, params, tokens_BxT)
+    logp_BxTxV = jax.nn.log_softmax(out.logits[:, :-1])
+    nll = -jnp.take_along_axis(logp_BxTxV, tokens_BxT[:, 1:, None], axis=-1)
+    return jnp.mean(nll) + out.aux_loss
+
+
+def jax_train_step(config: ModelConfig, opt: optax.GradientTransformation, params: dict,
+                   opt_state: Any, tokens_BxT: jax.Array) -> tuple[dict, Any, jax.Array]:
+    """One AdamW step on the next-token loss; returns (params, opt_state, loss)."""
+    loss, grads = jax.value_and_grad(functools.partial(_jax_loss, config))(params, tokens_BxT)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _bench_jax(config: ModelConfig, params: dict, tokens: np.ndarray, repeats: int) -> dict:
+    opt = optax.adamw(LEARNING_RATE)
+    step = jax.jit(functools.partial(jax_train_step, config, opt), donate_argnums=(0, 1))
+    state = {"params": jax.tree.map(jnp.array, params)}
+    state["opt"] = opt.init(state["params"])
+    tokens = jnp.asarray(tokens)
+    start = time.perf_counter()
+    state["params"], state["opt"], loss0 = step(state["params"], state["opt"], tokens)
+    loss0 = float(loss0)
+    compile_s = time.perf_counter() - start
+
+    def run() -> None:
+        state["params"], state["opt"], loss = step(state["params"], state["opt"], tokens)
+        loss.block_until_ready()
+
+    # The first (compiling) step above is the warm-up.
+    return {"step_s": median_time(run, repeats, warmup=0), "loss0": loss0, "compile_s": compile_s}
+
+
+def _bench_torch(config: ModelConfig, params: dict, tokens: np.ndarray, repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as path:
+        hf_io.save_pretrained(config, params, path, dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, labels=tokens, output_router_logits=True).loss
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    loss0 = step()  # also the warm-up
+    return {"step_s": median_time(step, repeats, warmup=0), "loss0": loss0,
+            "attn_impl": model.config._attn_implementation,
+            "experts_impl": model.config._experts_implementation,
+            "torch_threads": torch.get_num_threads()}
+
+
+def run(quick: bool) -> dict:
+    batch, seq = (4, 64) if quick else (8, 256)
+    repeats = 2 if quick else 5
+    peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
+    tokens = np.random.default_rng(0).integers(0, 128, (batch, seq), dtype=np.int32)
+    rows, figures = [], {"batch": batch, "seq_len": seq, "repeats": repeats,
+                         "peak_matmul_flops": peak, "presets": {}}
+    for name in PRESETS:
+        config = get_preset(name)
+        if config.vocab_size < 128:
+            raise ValueError(f"preset {name} has vocab {config.vocab_size} < 128 used here")
+        params = jax.tree.map(np.asarray, init_params(config, jax.random.key(0)))
+        jx = _bench_jax(config, params, tokens, repeats)
+        th = _bench_torch(config, params, tokens, repeats)
+        flops_tok = train_flops_per_token(config, seq)
+        n_tok = batch * seq
+        fig = {
+            "params": config.param_count(), "active_params": config.param_count(active=True),
+            "train_flops_per_token": flops_tok, "dispatch": config.dispatch,
+            "jax_tokens_per_s": n_tok / jx["step_s"], "torch_tokens_per_s": n_tok / th["step_s"],
+            "jax_mfu": flops_tok * n_tok / jx["step_s"] / peak,
+            "torch_mfu": flops_tok * n_tok / th["step_s"] / peak,
+            "jax_loss0": jx["loss0"], "torch_loss0": th["loss0"],
+            "jax_compile_s": jx["compile_s"], "torch_attn": th["attn_impl"],
+            "torch_experts": th["experts_impl"], "torch_threads": th["torch_threads"],
+        }
+        fig["jax_over_torch"] = fig["jax_tokens_per_s"] / fig["torch_tokens_per_s"]
+        figures["presets"][name] = fig
+        rows.append([name, f"{fig['params'] / 1e6:.2f}M / {fig['active_params'] / 1e6:.2f}M",
+                     f"{batch}x{seq}", round(fig["jax_tokens_per_s"]),
+                     f"{100 * fig['jax_mfu']:.2f}%", round(fig["torch_tokens_per_s"]),
+                     f"{100 * fig['torch_mfu']:.2f}%", f"{fig['jax_over_torch']:.2f}x",
+                     f"{fig['jax_loss0']:.5f} / {fig['torch_loss0']:.5f}"])
+    figures["load_average"] = os.getloadavg()
+    print(f"peak fp32 jnp.dot: {peak / 1e9:.1f} GFLOP/s; devices: {jax.devices()[0].platform} "
+          f"x{len(jax.devices())}; cpus: {os.cpu_count()}, load average "
+          f"{figures['load_average'][0]:.1f}; torch: attention {th['attn_impl']}, experts "
+          f"{th['experts_impl']}, {th['torch_threads']} threads; medians of {repeats} steps")
+    print(format_table(
+        ["preset", "params (total / active)", "B x T", "JAX tok/s", "JAX MFU", "torch tok/s",
+         "torch MFU", "JAX / torch", "step-0 loss JAX / torch"], rows))
+    return figures
