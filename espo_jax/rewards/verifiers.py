@@ -168,12 +168,17 @@ class _Slot:
     """Holds one thread's helper; when the thread ends, its thread-local slot is collected and
     the helper process is stopped with it."""
 
+    registry: list[_Helper] = []  # every live helper of this process, for `close_helpers`
+
     def __init__(self):
         self.helper: _Helper | None = None
 
     def __del__(self):
+        # Only attributes here: at interpreter exit module globals may already be gone.
         if self.helper is not None:
-            _drop(self.helper)
+            self.helper.close()
+            if self.helper in self.registry:
+                self.registry.remove(self.helper)
 
 
 def _drop(helper: _Helper) -> None:
@@ -183,7 +188,7 @@ def _drop(helper: _Helper) -> None:
 
 
 _local = threading.local()
-_helpers: list[_Helper] = []  # every live helper of this process, for `close_helpers`
+_helpers = _Slot.registry
 _stats_lock = threading.Lock()
 _stats = {"calls": 0, "timeouts": 0, "helper_restarts": 0}
 

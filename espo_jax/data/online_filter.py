@@ -1,0 +1,120 @@
+"""MS-ZVE stage 4: online filtering of zero-variance groups with bounded refill.
+
+DAPO-style dynamic sampling: request `oversample` times the groups still needed, drop the
+groups whose binary outcomes are all equal, and refill at most `max_refill_rounds` times. When
+the rounds run out the step trains on what it has: a `RuntimeWarning` names the numbers, the
+`exhausted` counter goes up, and (with `pad_with_filtered`) dropped groups top the batch up to
+its static size (they carry no GRPO gradient, but do carry RL-ZVP signal when stage 3 is on).
+It never raises for lack of informative groups: a run must not die because its prompts became
+too easy.
+
+A group is any mapping with "outcomes" (binary, one per response); "lengths" and "rewards" are
+read by `zve_metrics`. Filtering reads the outcomes only, never a shaped reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import ml_collections
+import numpy as np
+
+from espo_jax.data.prompt_scheduler import binary_outcomes
+
+Group = Mapping
+
+
+def filter_groups(groups_outcomes: Iterable[Iterable]) -> np.ndarray:
+    """Bool keep mask: True where a group's binary outcomes are not all equal.
+
+    Groups may differ in size (stage 1 gives prompts different sample counts).
+    """
+    keep = []
+    for k, outcomes in enumerate(groups_outcomes):
+        o = binary_outcomes(outcomes, f"group {k}")
+        keep.append(bool(o.min() != o.max()))
+    return np.asarray(keep, dtype=bool)
+
+
+@dataclasses.dataclass
+class CollectResult:
+    """One step's groups: what to train on and everything generated for it."""
+
+    batch: list  # groups to train on, in generation order
+    generated: list  # every group generated this step, all rounds, in order
+    rounds: int  # generation rounds (1 + refills)
+    exhausted: bool  # refill rounds ran out before `target` informative groups
+    padded: int  # zero-variance groups put into `batch` to reach `target`
+    surplus: int  # informative groups generated but beyond `target` (not trained on)
+
+
+class OnlineFilter:
+    """Stage 4 around a caller's `generate(n_groups) -> list of groups` function.
+
+    With the stage disabled, `collect` calls `generate(target)` once and returns all of it,
+    so a driver loop is the same with the stage on or off.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        """`config` is the `online_filter` sub-config of `default_zve_config()`."""
+        if config.oversample < 1.0 or config.max_refill_rounds < 0:
+            raise ValueError(f"OnlineFilter: need oversample >= 1 and max_refill_rounds >= 0, "
+                             f"got {config.oversample}, {config.max_refill_rounds}")
+        self.config = config
+        self.exhausted = 0  # steps that ran out of refill rounds (cumulative)
+        self.steps = 0
+
+    def collect(self, target: int, generate: Callable[[int], Sequence[Group]]) -> CollectResult:
+        """Groups for one step of `target` groups; see the module docstring."""
+        if target < 1:
+            raise ValueError(f"OnlineFilter.collect: target must be >= 1, got {target}")
+        self.steps += 1
+        cfg = self.config
+        if not cfg.enabled:
+            generated = list(generate(target))
+            return CollectResult(batch=generated, generated=generated, rounds=1,
+                                 exhausted=False, padded=0, surplus=0)
+        generated: list = []
+        kept: list = []
+        request = math.ceil(target * cfg.oversample)
+        rounds = 0
+        while True:
+            groups = list(generate(request))
+            rounds += 1
+            generated += groups
+            mask = filter_groups(g["outcomes"] for g in groups)
+            kept += [g for g, k in zip(groups, mask, strict=True) if k]
+            if len(kept) >= target or rounds > cfg.max_refill_rounds:
+                break
+            request = math.ceil((target - len(kept)) * cfg.oversample)
+        exhausted = len(kept) < target
+        batch, padded = kept[:target], 0
+        if exhausted:
+            self.exhausted += 1
+            if cfg.pad_with_filtered:
+                kept_ids = {id(g) for g in kept}
+                fill = [g for g in generated if id(g) not in kept_ids][: target - len(kept)]
+                padded = len(fill)
+                order = {id(g): j for j, g in enumerate(generated)}
+                batch = sorted(kept + fill, key=lambda g: order[id(g)])
+            warnings.warn(
+                f"OnlineFilter: {len(kept)} of {target} groups have outcome variance after "
+                f"{rounds} rounds ({len(generated)} groups generated, max_refill_rounds="
+                f"{cfg.max_refill_rounds}); training on {len(batch)} groups "
+                f"({padded} zero-variance padding). Exhausted {self.exhausted} time(s).",
+                RuntimeWarning, stacklevel=2)
+        return CollectResult(batch=batch, generated=generated, rounds=rounds,
+                             exhausted=exhausted, padded=padded,
+                             surplus=max(len(kept) - target, 0))
+
+    def metrics(self, result: CollectResult) -> dict[str, float]:
+        """Flat `zve/...` scalars of one `collect` (plus the cumulative exhaustion counter)."""
+        return {
+            "zve/refill_rounds": float(result.rounds - 1),
+            "zve/refill_exhausted": float(self.exhausted),
+            "zve/filter_padded": float(result.padded),
+            "zve/filter_surplus": float(result.surplus),
+        }

@@ -1,0 +1,99 @@
+"""Every default of multi-stage zero-variance elimination (MS-ZVE), one line each.
+
+Stages (each switched by its `enabled`):
+  0 offline   prune prompts whose pass rate under the starting policy is 0 or 1
+  1 adaptive  samples per prompt from the prompt's pass-rate history
+  2 tie_break bounded length term inside the correct tier (espo_jax.rewards.shaping)
+  3 zvp       RL-ZVP entropy-guided advantages for zero-variance groups (read by the learner)
+  4 online_filter  over-sample, drop zero-variance groups, bounded refill
+  5 retire    cross-epoch retirement after k equal outcomes in a row, periodic re-probing
+All stages off is plain GRPO sampling: every prompt once per epoch with `n_samples` samples.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+TIE_BREAK_PREFER = ("shorter", "longer")
+
+
+def default_zve_config() -> ml_collections.ConfigDict:
+    """MS-ZVE settings with every stage off."""
+    c = ml_collections.ConfigDict()
+    c.n_samples = 8  # G: samples per prompt (stage 1 off, or a prompt without enough history)
+
+    c.offline = ml_collections.ConfigDict()  # stage 0
+    c.offline.enabled = False  # prune by an offline pass-rate estimate (`offline_prune`)
+    c.offline.k = 8  # samples per prompt the caller draws for the estimate (`offline_plan`)
+    c.offline.low = 0.0  # prune prompts with pass rate <= low (never solved)
+    c.offline.high = 1.0  # prune prompts with pass rate >= high (always solved)
+    c.offline.reprobe_pruned = True  # with stage 5 on, pruned prompts are re-probed too
+
+    c.adaptive = ml_collections.ConfigDict()  # stage 1
+    c.adaptive.enabled = False  # choose samples per prompt from its pass-rate history
+    c.adaptive.min_samples = 4  # fewest samples for an uncertain prompt
+    c.adaptive.max_samples = 16  # most samples for any prompt
+    c.adaptive.multiple = 4  # round sample counts up to a multiple (static engine shapes)
+    c.adaptive.target_zv = 0.2  # smallest n with P(all n outcomes equal) <= target_zv
+    c.adaptive.settled_samples = 0  # samples for a settled prompt (needs > max); 0 skips it
+    c.adaptive.prior = 0.5  # Beta(prior, prior) pseudo-counts for the pass-rate estimate
+    c.adaptive.decay = 0.7  # history weight kept per visit or skip (old policies count less)
+    c.adaptive.min_obs = 4.0  # decayed observations before the estimate is trusted
+
+    c.tie_break = ml_collections.ConfigDict()  # stage 2
+    c.tie_break.enabled = False  # break ties inside the correct tier with a length term
+    c.tie_break.prefer = "shorter"  # which correct responses rank higher: shorter | longer
+    c.tie_break.tier_gap = 1.0  # reward distance between the wrong and the correct tier
+    c.tie_break.band = 0.25  # length term lies in (-band, band) * tier_gap; must be < 0.5
+
+    c.zvp = ml_collections.ConfigDict()  # stage 3 (applied by the learner's advantages)
+    c.zvp.enabled = False  # RL-ZVP advantages (espo_jax.rl.advantages.rl_zvp) for ZV groups
+    c.zvp.alpha = 0.1  # scale of the entropy-guided advantage of a zero-variance group
+
+    c.online_filter = ml_collections.ConfigDict()  # stage 4
+    c.online_filter.enabled = False  # drop zero-variance groups (binary outcome) and refill
+    c.online_filter.oversample = 1.5  # groups requested per group still needed
+    c.online_filter.max_refill_rounds = 3  # extra generation rounds before giving up
+    c.online_filter.pad_with_filtered = True  # on exhaustion top up with dropped groups
+
+    c.retire = ml_collections.ConfigDict()  # stage 5
+    c.retire.enabled = False  # retire prompts with a streak of equal outcomes
+    c.retire.solved_streak = 3  # visits in a row with every sample right -> retired
+    c.retire.failed_streak = 3  # visits in a row with every sample wrong -> retired
+    c.retire.reprobe_every = 2  # epochs between re-probes of a retired prompt
+    c.retire.reprobe_samples = 8  # samples of a re-probe; a mixed result brings it back
+    return c
+
+
+def validate_zve_config(c: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the field and the numbers when settings cannot work."""
+    a, f, r, o = c.adaptive, c.online_filter, c.retire, c.offline
+    checks = [
+        (c.n_samples >= 1, f"n_samples must be >= 1, got {c.n_samples}"),
+        (0.0 <= o.low < o.high <= 1.0,
+         f"offline needs 0 <= low < high <= 1, got low={o.low}, high={o.high}"),
+        (o.k >= 1, f"offline.k must be >= 1, got {o.k}"),
+        (1 <= a.min_samples <= a.max_samples,
+         f"adaptive needs 1 <= min_samples <= max_samples, got {a.min_samples}, {a.max_samples}"),
+        (a.multiple >= 1, f"adaptive.multiple must be >= 1, got {a.multiple}"),
+        (0.0 < a.target_zv < 1.0, f"adaptive.target_zv must be in (0, 1), got {a.target_zv}"),
+        (a.settled_samples >= 0, f"adaptive.settled_samples must be >= 0, got "
+                                 f"{a.settled_samples}"),
+        (a.prior > 0 and 0.0 < a.decay <= 1.0,
+         f"adaptive needs prior > 0 and 0 < decay <= 1, got {a.prior}, {a.decay}"),
+        (c.tie_break.prefer in TIE_BREAK_PREFER,
+         f"tie_break.prefer {c.tie_break.prefer!r} is not one of {TIE_BREAK_PREFER}"),
+        (0.0 < c.tie_break.band < 0.5, f"tie_break.band must be in (0, 0.5), got "
+                                       f"{c.tie_break.band}"),
+        (f.oversample >= 1.0, f"online_filter.oversample must be >= 1, got {f.oversample}"),
+        (f.max_refill_rounds >= 0, f"online_filter.max_refill_rounds must be >= 0, got "
+                                   f"{f.max_refill_rounds}"),
+        (r.solved_streak >= 1 and r.failed_streak >= 1,
+         f"retire streaks must be >= 1, got {r.solved_streak}, {r.failed_streak}"),
+        (r.reprobe_every >= 1 and r.reprobe_samples >= 2,
+         f"retire needs reprobe_every >= 1 and reprobe_samples >= 2 (one sample cannot show "
+         f"variance), got {r.reprobe_every}, {r.reprobe_samples}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(f"zve config: {message}")

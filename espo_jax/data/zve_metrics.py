@@ -1,0 +1,80 @@
+"""Per-step MS-ZVE metrics: how much generation carried no gradient signal, stage by stage.
+
+A group carries no signal for group-relative advantages when its rewards are all equal. With
+binary outcomes as rewards that is "all right or all wrong"; stage 2 (tie-breaking) can give an
+all-right group distinct rewards; stage 4 drops groups before training; stage 3 (RL-ZVP) gives
+every zero-variance group an entropy-guided advantage, so with it no trained group is wasted.
+
+Groups are mappings with "outcomes" (binary), "lengths" (tokens per response) and optionally
+"rewards" (shaped; defaults to the outcomes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from espo_jax.data.prompt_scheduler import binary_outcomes
+
+
+def zero_variance(values: Iterable) -> bool:
+    """True when every value is equal (a group with no contrast)."""
+    v = np.asarray(list(values), dtype=np.float64)
+    return bool(v.max() == v.min())
+
+
+def _rewards(group: Mapping) -> Sequence:
+    r = group.get("rewards")
+    return group["outcomes"] if r is None else r
+
+
+def step_metrics(generated: Sequence[Mapping], batch: Sequence[Mapping], *,
+                 zvp_enabled: bool = False) -> dict[str, float]:
+    """Flat `zve/...` scalars for one step.
+
+    Args:
+      generated: every group generated for the step (all refill rounds).
+      batch: the groups trained on (a subset of `generated`, same objects).
+      zvp_enabled: stage 3 on, so zero-variance groups in the batch still carry signal.
+
+    `zero_variance_frac_before` uses binary outcomes; `..._after_tiebreak` shaped rewards over
+    the generated groups; `..._after_filter` shaped rewards over the batch. Wasted rollouts and
+    tokens are those of generated groups not trained on, plus those of trained groups without
+    reward contrast (unless RL-ZVP is on). `effective_batch` counts trained groups with signal.
+    """
+    batch_ids, generated_ids = {id(g) for g in batch}, {id(g) for g in generated}
+    if len(batch_ids) != len(batch) or not batch_ids <= generated_ids:
+        raise ValueError("step_metrics: batch must be distinct groups taken from generated")
+    rollouts = tokens = wasted_rollouts = wasted_tokens = 0
+    zv_outcome = zv_reward = 0
+    for g in generated:
+        lengths = np.asarray(list(g["lengths"]), dtype=np.int64)
+        outcomes = binary_outcomes(g["outcomes"], str(g.get("prompt_id", "")))
+        if len(lengths) != len(outcomes) or len(_rewards(g)) != len(outcomes):
+            raise ValueError(f"step_metrics: group {g.get('prompt_id')!r} has "
+                             f"{len(outcomes)} outcomes, {len(lengths)} lengths and "
+                             f"{len(_rewards(g))} rewards")
+        rollouts += len(outcomes)
+        tokens += int(lengths.sum())
+        zv_outcome += zero_variance(outcomes)
+        flat = zero_variance(_rewards(g))
+        zv_reward += flat
+        if id(g) not in batch_ids or (flat and not zvp_enabled):
+            wasted_rollouts += len(outcomes)
+            wasted_tokens += int(lengths.sum())
+    zv_batch = sum(zero_variance(_rewards(g)) for g in batch)
+    n_gen = max(len(generated), 1)
+    return {
+        "zve/groups_generated": float(len(generated)),
+        "zve/rollouts_generated": float(rollouts),
+        "zve/tokens_generated": float(tokens),
+        "zve/zero_variance_frac_before": zv_outcome / n_gen,
+        "zve/zero_variance_frac_after_tiebreak": zv_reward / n_gen,
+        "zve/zero_variance_frac_after_filter": zv_batch / max(len(batch), 1),
+        "zve/wasted_rollouts": float(wasted_rollouts),
+        "zve/wasted_tokens": float(wasted_tokens),
+        "zve/wasted_token_frac": wasted_tokens / max(tokens, 1),
+        "zve/batch_groups": float(len(batch)),
+        "zve/effective_batch": float(len(batch) if zvp_enabled else len(batch) - zv_batch),
+    }
