@@ -29,8 +29,8 @@ def _logp_and_entropy(
     `-inf` logits (masked vocabulary entries) are clamped to the most negative finite float so
     that `p * log p` is exactly 0 there instead of `0 * -inf = nan`, forward and backward.
     """
-    z = logits_BxCxV.astype(jnp.float32)
-    z = jnp.maximum(z, jnp.finfo(jnp.float32).min)
+    z = logits_BxCxV.astype(jnp.promote_types(logits_BxCxV.dtype, jnp.float32))
+    z = jnp.maximum(z, jnp.finfo(z.dtype).min)
     logq = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
     entropy = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
     # Out-of-range ids (e.g. -1 used as padding) are clipped: such positions must be masked.
@@ -82,8 +82,12 @@ def token_logprobs_and_entropy(
     H[b, t]    = -sum_v softmax(z)[v] * log softmax(z)[v]
 
     Logits may be bf16; each chunk is upcast to fp32, so the fp32 copy never exceeds
-    `[B, chunk_size, V]`. `targets_BxT[b, t]` is the token sampled *at* position t (callers shift
-    by one beforehand). Returns fp32 `(logp_BxT, entropy_BxT)`; both are differentiable.
+    `[B, chunk_size, V]` (on GPU/TPU; XLA:CPU has no bf16 slicing, upcasts the whole operand
+    and hoists that out of the loop, so on CPU pass fp32 logits or use `logprobs_from_hidden`).
+    The backward writes the `[B, T, V]` gradient (in the logits' dtype) chunk by chunk.
+    `targets_BxT[b, t]` is the token sampled *at* position t (callers shift by one
+    beforehand). Returns `(logp_BxT, entropy_BxT)` in fp32 (fp64 for fp64 logits); both are
+    differentiable.
     """
     if logits_BxTxV.ndim != 3 or targets_BxT.shape != logits_BxTxV.shape[:2]:
         raise ValueError(
@@ -94,7 +98,7 @@ def token_logprobs_and_entropy(
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
     def chunk(logits_BxCxV, targets_BxC):
-        z = logits_BxCxV.astype(jnp.float32)
+        z = logits_BxCxV.astype(jnp.promote_types(logits_BxCxV.dtype, jnp.float32))
         if temperature != 1.0:
             z = z / temperature
         return _logp_and_entropy(z, targets_BxC)
@@ -127,7 +131,12 @@ def logprobs_from_hidden(
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
     def chunk(hidden_BxCxD, targets_BxC):
-        z = jnp.einsum("bcd,dv->bcv", hidden_BxCxD, w_DxV, preferred_element_type=jnp.float32)
+        z = jnp.einsum(
+            "bcd,dv->bcv",
+            hidden_BxCxD,
+            w_DxV,
+            preferred_element_type=jnp.promote_types(w_DxV.dtype, jnp.float32),
+        )
         if temperature != 1.0:
             z = z / temperature
         return _logp_and_entropy(z, targets_BxC)

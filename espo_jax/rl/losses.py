@@ -236,14 +236,14 @@ def espo(logp, old_logp, advantages, mask, config, *, entropy=None) -> Surrogate
     """
     if entropy is None:
         raise ValueError("loss 'espo' needs entropy [B, T] (token entropies of the old policy)")
-    ent = sg(entropy.astype(jnp.float32))
+    ent = sg(entropy.astype(logp.dtype))
     valid = mask > 0
     high = espo_entropy_groups(ent, mask, config.espo_high_entropy_frac)
     low = valid & ~high
     log_ratio = _masked_log_ratio(logp, old_logp, mask)
 
     def group_stats(member):
-        m = member.astype(jnp.float32)
+        m = member.astype(log_ratio.dtype)
         count = m.sum(axis=1, keepdims=True)
         denom = jnp.maximum(count, 1.0)
         s = jnp.exp((log_ratio * m).sum(axis=1, keepdims=True) / denom)
@@ -347,7 +347,7 @@ _LOG_WEIGHT_CAP = 80.0  # exp(80) ~ 5.5e34 keeps raw-weight metrics finite in fp
 
 def _tis_weights(old_logp, behaviour_logp, mask, level, cap):
     """Truncated IS weight min(pi_old / pi_sampler, C) per token or per sequence, and metrics."""
-    m = mask.astype(jnp.float32)
+    m = mask.astype(old_logp.dtype)
     log_w = jnp.where(m > 0, sg(old_logp) - sg(behaviour_logp), 0.0)
     if level == "sequence":
         log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
@@ -399,10 +399,11 @@ def policy_loss(
     if config.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_coef={config.kl_coef} > 0 needs ref_logp")
 
-    m = mask.astype(jnp.float32)
-    logp = logp.astype(jnp.float32)
-    old_logp = old_logp.astype(jnp.float32)
-    adv = jnp.where(m > 0, sg(advantages.astype(jnp.float32)), 0.0)
+    dtype = jnp.promote_types(jnp.result_type(logp), jnp.float32)  # bf16 -> f32; f64 stays
+    m = mask.astype(dtype)
+    logp = logp.astype(dtype)
+    old_logp = old_logp.astype(dtype)
+    adv = jnp.where(m > 0, sg(advantages.astype(dtype)), 0.0)
     sur = LOSSES[config.name](logp, old_logp, adv, m, config, entropy=entropy)
     mode = PAPER_AGGREGATION[config.name] if config.aggregation == "auto" else config.aggregation
 
@@ -422,7 +423,7 @@ def policy_loss(
     pg_loss = -agg(objective)
     loss = pg_loss
     if ref_logp is not None:
-        kl = _kl(logp, ref_logp.astype(jnp.float32), m, config.kl_estimator)
+        kl = _kl(logp, ref_logp.astype(dtype), m, config.kl_estimator)
         kl_agg = agg(kl)
         metrics["kl/mean"] = kl_agg
         if config.kl_coef > 0:
