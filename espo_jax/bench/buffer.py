@@ -156,7 +156,7 @@ def run(quick: bool) -> dict:
     for directory in dirs:
         shutil.rmtree(directory, ignore_errors=True)
     step_rows, length = groups_per_step * G, prompt + response
-    step = train_step_seconds(step_rows, length, repeats=2 if quick else 3)
+    step = train_step_seconds(step_rows, length, repeats=1 if quick else 3)
 
     print(
         f"group: G={G}, prompt {prompt} + response {response} tokens, routing {MOE_LAYERS} MoE "

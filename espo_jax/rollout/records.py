@@ -194,6 +194,8 @@ class RolloutGroup:
 
 def _as_int_array(x: Any, dtype: Any, name: str) -> np.ndarray:
     arr = np.asarray(x)
+    if arr.dtype == dtype:
+        return arr
     if arr.size == 0:
         return arr.astype(dtype)
     if arr.dtype.kind not in "iu":
@@ -403,9 +405,9 @@ def _group_from_fields(f: dict) -> RolloutGroup:
                 raise RecordDecodeError(
                     f"responses[{i}].routed_experts: {flat.size} values do not fill shape {shape}"
                 )
-            routed = flat.reshape(shape).astype(_ROUTED_DTYPE_IN_MEMORY)
             if disk_dtype == np.uint8:
-                routed[routed == 255] = -1
+                flat = np.where(flat == 255, np.int16(-1), flat.astype(np.int16))
+            routed = flat.reshape(shape).astype(_ROUTED_DTYPE_IN_MEMORY, copy=False)
         responses.append(
             Response(
                 tokens=_array(r["tokens"], "<i4", f"responses[{i}].tokens"),

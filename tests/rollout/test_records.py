@@ -21,7 +21,7 @@ def make_group(lengths, prompt_len=5, n_experts=None, moe_layers=2, top_k=2, see
         routed = None
         if n_experts is not None:
             routed = rng.integers(0, n_experts, size=(prompt_len + t, moe_layers, top_k))
-            routed[-1] = -1  # the last sampled token was never fed forward: no routing
+            routed[-1:] = -1  # the last sampled token was never fed forward: no routing
         responses.append(
             Response(
                 tokens=rng.integers(0, 50_000, size=t),
@@ -208,6 +208,13 @@ def test_encode_rejects_bad_groups():
     group = make_group([3])
     group.meta = {"labels": {1, 2}}
     with pytest.raises(ValueError, match="meta is not JSON-able"):
+        encode(group)
+    group = make_group([3])
+    group.responses[0].tokens = [1, 2, 3]  # assigned after construction: no conversion
+    with pytest.raises(ValueError, match=r"responses\[0\].tokens must be a numpy array"):
+        encode(group)
+    group.responses[0].tokens = np.array([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="tokens has dtype float64, expected int"):
         encode(group)
     group = make_group([3])
     group.responses[0].outcome = 0.5
