@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import numbers
 import os
 import secrets
 import shutil
@@ -47,6 +48,7 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
@@ -433,14 +435,19 @@ class BufferReader:
 
 
 def _parse_cursor(cursor: dict[str, Any] | None) -> dict[str, list[int]]:
+    """Validates a saved cursor (numpy ints and arrays from a checkpoint are accepted)."""
     if cursor is None:
         return {}
-    if not isinstance(cursor, dict) or cursor.get("version") != CURSOR_VERSION:
+    if (
+        not isinstance(cursor, dict)
+        or cursor.get("version") != CURSOR_VERSION
+        or not isinstance(cursor.get("streams"), dict)
+    ):
         raise ValueError(f"not a rollout buffer cursor (version {CURSOR_VERSION}): {cursor!r}")
     streams = {}
     for stream, position in cursor["streams"].items():
-        ok = isinstance(position, (list, tuple)) and len(position) == 2
-        if not ok or not all(isinstance(x, int) and x >= 0 for x in position):
+        ok = isinstance(position, (list, tuple, np.ndarray)) and len(position) == 2
+        if not ok or not all(isinstance(x, numbers.Integral) and x >= 0 for x in position):
             raise ValueError(
                 f"cursor stream {stream!r}: position {position!r} is not [shard, record]"
             )

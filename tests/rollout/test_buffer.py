@@ -45,6 +45,8 @@ def test_write_read_order_cursor_and_determinism(tmp_path):
     assert ids(rest) == [[0, 5], [0, 6], [1, 0], [1, 1]]
     assert read_all(reader) == [] and reader.stats["groups_read"] == 9
     assert ids(read_all(BufferReader(tmp_path, cursor=cursor))) == ids(rest)
+    as_arrays = {**cursor, "streams": {k: np.array(v) for k, v in cursor["streams"].items()}}
+    assert ids(read_all(BufferReader(tmp_path, cursor=as_arrays))) == ids(rest)  # from orbax
     assert ids(read_all(BufferReader(tmp_path))) == ids(first + rest)  # same order again
 
 
