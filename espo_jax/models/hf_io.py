@@ -345,7 +345,11 @@ def _hf_tensors(config: ModelConfig, params: dict,
                 np_dtype: Any) -> Iterator[tuple[str, np.ndarray]]:
     expected = _expected_shapes(config)
     for ours, names, to_hf, _ in param_map(config):
-        value = np.asarray(_get(params, ours))
+        value = _get(params, ours)
+        if isinstance(value, dict):
+            raise ValueError(f"params {'/'.join(ours)} is a quantised kernel {sorted(value)}; "
+                             "write float weights (quant.dequantize_params(params) first)")
+        value = np.asarray(value)
         if value.shape != expected[ours]:
             raise ValueError(f"params {'/'.join(ours)} has shape {value.shape}; config implies "
                              f"{expected[ours]}")

@@ -258,3 +258,33 @@ def test_clear_errors(root, tmp_path):
     with pytest.raises(KeyError, match="params has no entry layers_1/moe/wo"):
         del params["layers_1"]["moe"]["wo"]
         hf_io.save_pretrained(config, params, str(tmp_path / "o"))
+
+
+def test_shardings_place_each_parameter(root):
+    """With `shardings`, every leaf lands on the devices as built; experts split on their axis."""
+    src = _hf_dir("qwen3_gqa_norm", root)
+    config, host = hf_io.from_pretrained(src)
+    mesh = jax.make_mesh((2, 4), ("data", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    P = jax.sharding.PartitionSpec
+
+    def spec(path, _):
+        expert = path[-1].key in ("wi_gate", "wi_up", "wo")  # [E=6, ...]: 6 % 2 == 0
+        return jax.sharding.NamedSharding(mesh, P("data") if expert else P())
+
+    shardings = jax.tree_util.tree_map_with_path(spec, host)
+    _, params = hf_io.from_pretrained(src, shardings=shardings)
+    wo = params["layers_0"]["moe"]["wo"]
+    assert wo.sharding == shardings["layers_0"]["moe"]["wo"]
+    assert {s.data.shape for s in wo.addressable_shards} == {(3, 16, 32)}  # 6 experts / 2
+    jax.tree.map(np.testing.assert_array_equal, params, host)
+
+
+def test_quantised_params_are_refused(root, tmp_path):
+    from espo_jax.models import quant
+
+    config, params = hf_io.from_pretrained(_hf_dir("qwen3_gqa_norm", root))
+    q_proj = params["layers_0"]["attn"]["q_proj"]
+    q_proj["kernel"] = quant.quantize_kernel(q_proj["kernel"])  # what quantize_params makes
+    with pytest.raises(ValueError, match="layers_0/attn/q_proj/kernel is a quantised kernel"):
+        hf_io.save_pretrained(config, params, str(tmp_path))
