@@ -1,0 +1,221 @@
+"""vLLM outputs -> records, on hand-built outputs with vLLM's real attribute names and shapes.
+
+The classes below copy the fields of vllm 0.32.0's `CompletionOutput`, `RequestOutput` and
+`Logprob` (vllm/outputs.py, vllm/logprobs.py); vLLM itself is not imported.
+"""
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from espo_jax.rollout import records
+from espo_jax.rollout.vllm_convert import (
+    RoutingMissingError,
+    VllmOutputError,
+    output_from_dict,
+    output_to_dict,
+    request_output_to_group,
+)
+
+M, K, E = 2, 2, 8  # MoE layers, top-k, experts
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    routed_experts: np.ndarray | None = None  # [seq_len, layer_num, topk]
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+class RequestOutput:
+    """vLLM >= 0.22 layout: no prompt_routed_experts attribute."""
+
+    def __init__(self, prompt_token_ids, outputs):
+        self.request_id = "0"
+        self.prompt = None
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs = None
+        self.outputs = outputs
+        self.finished = True
+
+
+class SplitRequestOutput(RequestOutput):
+    """Older layout: prompt routing on the request, generated-token routing per completion."""
+
+    def __init__(self, prompt_token_ids, outputs, prompt_routed_experts):
+        super().__init__(prompt_token_ids, outputs)
+        self.prompt_routed_experts = prompt_routed_experts
+
+
+def routing(n_tokens: int, offset: int, dtype=np.uint8) -> np.ndarray:
+    """[n, M, K] expert ids: token i, layer m, slot j -> (offset + 3i + 2m + j) % E."""
+    i, m, j = np.meshgrid(np.arange(n_tokens), np.arange(M), np.arange(K), indexing="ij")
+    return ((offset + 3 * i + 2 * m + j) % E).astype(dtype)
+
+
+def completion(index, tokens, *, routed=None, finish="stop", extra_logprobs=False):
+    # Sampled token t at step s gets log-prob -(index + 1) * 0.5 - 0.1 * s.
+    logprobs = []
+    for s, tok in enumerate(tokens):
+        entry = {tok: Logprob(-(index + 1) * 0.5 - 0.1 * s, rank=1)}
+        if extra_logprobs:  # logprobs=1: the top-1 alternative comes along
+            entry[(tok + 1) % 100] = Logprob(-0.01, rank=1)
+        logprobs.append(entry)
+    return CompletionOutput(index, "", list(tokens), None, logprobs, routed, finish)
+
+
+PROMPT = [1, 5, 6]  # P = 3
+
+
+def joint_output():
+    """Two samples (n=2) of lengths 4 and 2, routing [P + T - 1, M, K] uint8 as vLLM 0.32."""
+    return RequestOutput(
+        PROMPT,
+        # Out of index order on purpose: records follow `index`.
+        [
+            completion(1, [9, 2], routed=routing(3 + 2 - 1, offset=10), finish="stop"),
+            completion(0, [7, 8, 9, 10], routed=routing(3 + 4 - 1, offset=0), finish="length"),
+        ],
+    )
+
+
+def convert(output, **kw):
+    kw = {"prompt_id": "p0", "policy_version": 3, "sampler": "vllm-fp8", "n_experts": E,
+          "moe_layers": M, "top_k": K, "created_at": 100.0} | kw
+    return request_output_to_group(output, **kw)
+
+
+def test_joint_layout_n2_sentinel_last_row():
+    g = convert(joint_output())
+    assert g.prompt_tokens.tolist() == PROMPT
+    assert [r.tokens.tolist() for r in g.responses] == [[7, 8, 9, 10], [9, 2]]
+    assert [r.finish_reason for r in g.responses] == ["length", "stop"]
+    # sample 0: -0.5 - 0.1 s for s = 0..3; sample 1: -1.0 - 0.1 s for s = 0, 1.
+    np.testing.assert_allclose(g.responses[0].logprobs, [-0.5, -0.6, -0.7, -0.8], rtol=1e-6)
+    np.testing.assert_allclose(g.responses[1].logprobs, [-1.0, -1.1], rtol=1e-6)
+    r0 = g.responses[0].routed_experts
+    assert r0.shape == (3 + 4, M, K) and r0.dtype == np.int16
+    # Rows 0..5 as returned; row 6 (the last sampled token, never fed forward) is -1.
+    np.testing.assert_array_equal(r0[:6], routing(6, offset=0))
+    assert (r0[6] == -1).all() and (r0[:6] >= 0).all()
+    # Sample 1, token 0 of layer 1 slot 1: (10 + 0 + 2 + 1) % 8 = 5.
+    assert g.responses[1].routed_experts[0, 1, 1] == 5
+    assert (g.responses[1].routed_experts[4] == -1).all()
+    assert g.n_experts == E and g.sampler == "vllm-fp8" and g.policy_version == 3
+    assert records.decode(records.encode(g)) == g
+
+
+def test_split_layout_prompt_routing_shared_by_samples():
+    prompt_routed = routing(3, offset=5, dtype=np.int16)
+    out = SplitRequestOutput(
+        PROMPT,
+        [
+            completion(0, [4, 4, 4], routed=routing(2, offset=1, dtype=np.int16)),  # T - 1 rows
+            completion(1, [6, 2], routed=routing(2, offset=2, dtype=np.int16)),  # T rows
+        ],
+        prompt_routed,
+    )
+    g = convert(out)
+    r0, r1 = (r.routed_experts for r in g.responses)
+    np.testing.assert_array_equal(r0[:3], prompt_routed)
+    np.testing.assert_array_equal(r1[:3], prompt_routed)
+    np.testing.assert_array_equal(r0[3:5], routing(2, offset=1))
+    assert (r0[5] == -1).all()  # 3 generated tokens, 2 routed rows: the last is the sentinel
+    np.testing.assert_array_equal(r1[3:], routing(2, offset=2))  # all 2 rows given: no sentinel
+    assert (r1 >= 0).all()
+
+
+def test_missing_routing_raises_with_hint():
+    out = joint_output()
+    out.outputs[1].routed_experts = None  # the index-0 sample
+    with pytest.raises(RoutingMissingError, match=r"outputs\[0\].routed_experts is None.*"
+                                                  r"enable_return_routed_experts=True"):
+        convert(out)
+    split = SplitRequestOutput(PROMPT, [completion(0, [4], routed=routing(0, 0))], None)
+    with pytest.raises(RoutingMissingError, match="prompt_routed_experts is None"):
+        convert(split)
+
+
+def test_routing_optional_and_dense():
+    out = joint_output()
+    out.outputs[0].routed_experts = None
+    g = convert(out, expect_routing=False)
+    assert g.responses[0].routed_experts is not None  # index 0 kept its routing
+    assert g.responses[1].routed_experts is None
+    dense = convert(joint_output(), n_experts=None, expect_routing=False)
+    assert not dense.has_routing and dense.n_experts is None
+    with pytest.raises(VllmOutputError, match="needs n_experts"):
+        convert(joint_output(), n_experts=None)
+
+
+def test_wrong_routing_shapes_and_values():
+    out = joint_output()
+    out.outputs[1].routed_experts = routing(4, 0)  # P + T - 1 = 6 expected
+    with pytest.raises(VllmOutputError, match=r"4 rows.*3-token prompt and 4 generated.*6"):
+        convert(out)
+    with pytest.raises(VllmOutputError, match=r"\[layers, top_k\] = \(2, 2\), expected \(3, 2\)"):
+        convert(joint_output(), moe_layers=3)
+    out = joint_output()
+    out.outputs[0].routed_experts[0, 0, 0] = E  # expert 8 of 8 does not exist
+    with pytest.raises(VllmOutputError, match=r"values \[0, 8\] outside \[0, n_experts=8\)"):
+        convert(out)
+
+
+def test_more_than_256_experts_uint16():
+    # vLLM returns uint16 above 256 experts; records keep int16 ids (and int16 on disk).
+    routed = np.array([[[300, 7]], [[299, 1]]], np.uint16)  # P + T - 1 = 2 rows, M = 1, K = 2
+    out = RequestOutput([3, 4], [completion(0, [5], routed=routed)])
+    g = convert(out, n_experts=320, moe_layers=1, top_k=2)
+    assert g.responses[0].routed_experts.tolist() == [[[300, 7]], [[299, 1]], [[-1, -1]]]
+    assert records.decode(records.encode(g)) == g
+
+
+def test_logprobs_checks():
+    g = convert(RequestOutput(PROMPT, [completion(0, [7, 8], routed=routing(4, 0),
+                                                  extra_logprobs=True)]))
+    np.testing.assert_allclose(g.responses[0].logprobs, [-0.5, -0.6], rtol=1e-6)  # sampled only
+    out = joint_output()
+    out.outputs[0].logprobs = None
+    with pytest.raises(VllmOutputError, match=r"logprobs is None.*logprobs=0"):
+        convert(out)
+    out = joint_output()
+    out.outputs[1].logprobs[2] = {99: Logprob(-1.0)}  # sample 0, step 2 sampled token 9
+    with pytest.raises(VllmOutputError, match=r"outputs\[0\].logprobs\[2\].*sampled token 9"):
+        convert(out)
+    out = joint_output()
+    out.outputs[0].logprobs.pop()
+    with pytest.raises(VllmOutputError, match="1 log-prob positions for 2 sampled tokens"):
+        convert(out)
+
+
+def test_finish_reasons():
+    out = joint_output()
+    out.outputs[0].finish_reason = "repetition"
+    assert convert(out).responses[1].finish_reason == "abort"
+    for reason, message in ((None, "not finished"), ("error", "must be re-run")):
+        out.outputs[0].finish_reason = reason
+        with pytest.raises(VllmOutputError, match=message):
+            convert(out)
+
+
+def test_recorded_output_round_trip_through_json():
+    for out in (joint_output(), SplitRequestOutput(
+            PROMPT, [completion(0, [4], routed=routing(0, 0, np.int16))],
+            routing(3, 1, np.int16))):
+        d = json.loads(json.dumps(output_to_dict(out)))
+        assert convert(output_from_dict(d)) == convert(out)
