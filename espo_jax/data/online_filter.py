@@ -1,7 +1,11 @@
 """MS-ZVE stage 4: online filtering of zero-variance groups with bounded refill.
 
-DAPO-style dynamic sampling: request `oversample` times the groups still needed, drop the
-groups whose binary outcomes are all equal, and refill at most `max_refill_rounds` times. When
+DAPO-style dynamic sampling: request more groups than still needed, drop the groups whose
+binary outcomes are all equal, and refill at most `max_refill_rounds` times. The request is
+missing / keep_rate (rounded, at least `missing`), with keep_rate a running estimate (halved
+weight per round) of the fraction of groups kept, starting at 1 / `oversample` and never
+asking for more than `oversample` times what is missing: a fixed over-sample factor would throw
+away a third of the (informative) groups whenever most groups are informative. When
 the rounds run out the step trains on what it has: a `RuntimeWarning` names the numbers, the
 `exhausted` counter goes up, and (with `pad_with_filtered`) dropped groups top the batch up to
 its static size (they carry no GRPO gradient, but do carry RL-ZVP signal when stage 3 is on).
@@ -66,6 +70,11 @@ class OnlineFilter:
         self.config = config
         self.exhausted = 0  # steps that ran out of refill rounds (cumulative)
         self.steps = 0
+        self.keep_rate = 1.0 / config.oversample  # running fraction of groups kept
+
+    def _request(self, missing: int) -> int:
+        factor = min(self.config.oversample, 1.0 / max(self.keep_rate, 1e-6))
+        return max(missing, math.floor(missing * factor + 0.5))
 
     def collect(self, target: int, generate: Callable[[int], Sequence[Group]]) -> CollectResult:
         """Groups for one step of `target` groups; see the module docstring."""
@@ -79,17 +88,17 @@ class OnlineFilter:
                                  exhausted=False, padded=0, surplus=0)
         generated: list = []
         kept: list = []
-        request = math.ceil(target * cfg.oversample)
         rounds = 0
         while True:
-            groups = list(generate(request))
+            groups = list(generate(self._request(target - len(kept))))
             rounds += 1
             generated += groups
             mask = filter_groups(g["outcomes"] for g in groups)
             kept += [g for g, k in zip(groups, mask, strict=True) if k]
+            if groups:
+                self.keep_rate = 0.5 * self.keep_rate + 0.5 * float(mask.mean())
             if len(kept) >= target or rounds > cfg.max_refill_rounds:
                 break
-            request = math.ceil((target - len(kept)) * cfg.oversample)
         exhausted = len(kept) < target
         batch, padded = kept[:target], 0
         if exhausted:

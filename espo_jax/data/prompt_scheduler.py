@@ -14,7 +14,10 @@ The scheduler avoids generating such groups, from each prompt's history:
   evidence ages until it is sampled again). Below `min_obs` decayed samples, n = n_samples;
 - stage 5 (retirement): a prompt whose last `solved_streak` visits were all right (or
   `failed_streak` all wrong) is retired; every `reprobe_every` epochs it is re-probed with
-  `reprobe_samples` samples and comes back when the probe's outcomes are mixed.
+  `reprobe_samples` samples and comes back when the probe's outcomes are mixed. About
+  reprobe_frac x (active prompts) re-probes join an epoch (longest-waiting first; fractions
+  carry over; at least one when no prompt is active): when most prompts are retired, epochs are
+  short, and probing all of them every few epochs would spend more on probes than on training.
 
 Epochs: every active prompt once, in a permutation drawn from (seed, epoch), with the re-probes
 due that epoch mixed in. Everything is deterministic given the seed and the observations, and
@@ -80,6 +83,7 @@ class PromptScheduler:
         self.status = [ACTIVE] * n
         self.next_probe = [0] * n  # epoch at which a retired/pruned prompt is probed next
         self.epoch, self.cursor = -1, 0
+        self.probe_credit = 0.0  # fractional re-probes carried to the next epoch
         self.order: list[tuple[int, int]] = []
         self.totals = dict(retired=0, revived=0, reprobed=0, pruned=0, skipped_settled=0)
         self._step = self._empty_step()
@@ -171,12 +175,21 @@ class PromptScheduler:
         self.epoch += 1
         self.cursor = 0
         entries = [(i, NORMAL) for i, s in enumerate(self.status) if s == ACTIVE]
-        if self.config.retire.enabled:
-            for i, s in enumerate(self.status):
-                probe_ok = s == RETIRED or (s == PRUNED and self.config.offline.reprobe_pruned)
-                if probe_ok and self.next_probe[i] <= self.epoch:
-                    entries.append((i, PROBE))
-                    self.next_probe[i] = self.epoch + self.config.retire.reprobe_every
+        r = self.config.retire
+        if r.enabled:
+            due = [i for i, s in enumerate(self.status)
+                   if (s == RETIRED or (s == PRUNED and self.config.offline.reprobe_pruned))
+                   and self.next_probe[i] <= self.epoch]
+            # longest-waiting first, as many as the credit allows; the rest stay due. The
+            # credit carries fractions over (0.05 x 30 active = 1.5: 1 probe, then 2, ...).
+            due.sort(key=lambda i: (self.next_probe[i], i))
+            self.probe_credit = min(self.probe_credit + r.reprobe_frac * len(entries),
+                                    float(len(due)))
+            n_probes = int(self.probe_credit) if entries else max(1, int(self.probe_credit))
+            self.probe_credit = max(self.probe_credit - n_probes, 0.0)
+            for i in due[:n_probes]:
+                entries.append((i, PROBE))
+                self.next_probe[i] = self.epoch + r.reprobe_every
         rng = np.random.default_rng([self.seed, self.epoch])
         self.order = [entries[j] for j in rng.permutation(len(entries))]
 
@@ -263,6 +276,7 @@ class PromptScheduler:
         return dict(
             version=_STATE_VERSION, seed=self.seed, prompt_ids_sha1=self._ids_digest(),
             epoch=self.epoch, cursor=self.cursor, order=[list(e) for e in self.order],
+            probe_credit=self.probe_credit,
             succ=list(self.succ), trials=list(self.trials), visits=list(self.visits),
             streak=list(self.streak), status=list(self.status),
             next_probe=list(self.next_probe), totals=dict(self.totals), step=dict(self._step))
@@ -277,6 +291,7 @@ class PromptScheduler:
                              "(ids or order differ)")
         self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
         self.order = [(int(i), int(k)) for i, k in state["order"]]
+        self.probe_credit = float(state["probe_credit"])
         self.succ, self.trials = list(state["succ"]), list(state["trials"])
         self.visits, self.streak = list(state["visits"]), list(state["streak"])
         self.status, self.next_probe = list(state["status"]), list(state["next_probe"])

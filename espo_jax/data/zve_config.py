@@ -34,7 +34,7 @@ def default_zve_config() -> ml_collections.ConfigDict:
     c.adaptive.min_samples = 4  # fewest samples for an uncertain prompt
     c.adaptive.max_samples = 16  # most samples for any prompt
     c.adaptive.multiple = 4  # round sample counts up to a multiple (static engine shapes)
-    c.adaptive.target_zv = 0.2  # smallest n with P(all n outcomes equal) <= target_zv
+    c.adaptive.target_zv = 0.1  # smallest n with P(all n outcomes equal) <= target_zv
     c.adaptive.settled_samples = 0  # samples for a settled prompt (needs > max); 0 skips it
     c.adaptive.prior = 0.5  # Beta(prior, prior) pseudo-counts for the pass-rate estimate
     c.adaptive.decay = 0.7  # history weight kept per visit or skip (old policies count less)
@@ -52,7 +52,7 @@ def default_zve_config() -> ml_collections.ConfigDict:
 
     c.online_filter = ml_collections.ConfigDict()  # stage 4
     c.online_filter.enabled = False  # drop zero-variance groups (binary outcome) and refill
-    c.online_filter.oversample = 1.5  # groups requested per group still needed
+    c.online_filter.oversample = 1.5  # most groups requested per group still needed
     c.online_filter.max_refill_rounds = 3  # extra generation rounds before giving up
     c.online_filter.pad_with_filtered = True  # on exhaustion top up with dropped groups
 
@@ -60,8 +60,9 @@ def default_zve_config() -> ml_collections.ConfigDict:
     c.retire.enabled = False  # retire prompts with a streak of equal outcomes
     c.retire.solved_streak = 3  # visits in a row with every sample right -> retired
     c.retire.failed_streak = 3  # visits in a row with every sample wrong -> retired
-    c.retire.reprobe_every = 2  # epochs between re-probes of a retired prompt
-    c.retire.reprobe_samples = 8  # samples of a re-probe; a mixed result brings it back
+    c.retire.reprobe_every = 4  # epochs between re-probes of a retired prompt
+    c.retire.reprobe_samples = 4  # samples of a re-probe; a mixed result brings it back
+    c.retire.reprobe_frac = 0.05  # re-probes per epoch: at most this times the active prompts
     return c
 
 
@@ -90,6 +91,7 @@ def validate_zve_config(c: ml_collections.ConfigDict) -> None:
                                    f"{f.max_refill_rounds}"),
         (r.solved_streak >= 1 and r.failed_streak >= 1,
          f"retire streaks must be >= 1, got {r.solved_streak}, {r.failed_streak}"),
+        (0.0 <= r.reprobe_frac, f"retire.reprobe_frac must be >= 0, got {r.reprobe_frac}"),
         (r.reprobe_every >= 1 and r.reprobe_samples >= 2,
          f"retire needs reprobe_every >= 1 and reprobe_samples >= 2 (one sample cannot show "
          f"variance), got {r.reprobe_every}, {r.reprobe_samples}"),

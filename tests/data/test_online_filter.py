@@ -49,8 +49,9 @@ def test_refill_exhaustion_warns_counts_and_pads():
     gen = ScriptedGenerator()
     with pytest.warns(RuntimeWarning, match="3 of 4 groups") as rec:
         result = flt.collect(4, gen)
-    # round 1: ceil(4 * 1.5) = 6 -> 1 kept; round 2: ceil(3 * 1.5) = 5 -> 2 kept;
-    # round 3 (refill 2 = max): ceil(2 * 1.5) = 3 -> 3 kept; out of rounds with 3 of 4
+    # keep rate starts at 1/1.5, so round 1 asks 4 * 1.5 = 6 -> 1 kept; keep rate
+    # .5 * .667 + .5 * 1/6 = .42, factor min(1.5, 1/.42) = 1.5: round 2 asks 3 * 1.5 = 4.5 -> 5,
+    # 2 kept; round 3 (refill 2 = max) asks 2 * 1.5 = 3 -> 3 kept; out of rounds with 3 of 4
     assert gen.requests == [6, 5, 3]
     assert "3 of 4 groups" in str(rec[0].message)
     assert result.rounds == 3 and result.exhausted and len(result.generated) == 14
@@ -71,10 +72,19 @@ def test_refill_until_full_without_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         result = flt.collect(4, gen)
-    # 6 -> 2 kept; ceil(2 * 1.5) = 3 -> 4 kept: done after one refill
+    # 6 -> 2 kept; keep rate .5 * .667 + .5 * 1/3 = .5, factor 1.5: 2 * 1.5 = 3 -> 4 kept
     assert gen.requests == [6, 3] and result.rounds == 2 and not result.exhausted
     assert len(result.batch) == 4 and all(filter_groups(g["outcomes"] for g in result.batch))
     assert flt.exhausted == 0
+
+
+def test_request_follows_the_keep_rate():
+    flt = OnlineFilter(_filter_cfg())
+    gen = ScriptedGenerator(informative_per_call=100)  # every group informative
+    surplus = [flt.collect(4, gen).surplus for _ in range(3)]
+    # 6 (keep rate -> .5 * .667 + .5 = .833, factor 1.2); 4 * 1.2 = 4.8 -> 5 (-> .917, 1.09);
+    # 4 * 1.09 = 4.36 -> 4: the surplus of informative groups shrinks to 0
+    assert gen.requests == [6, 5, 4] and surplus == [2, 1, 0]
 
 
 def test_surplus_is_reported_and_disabled_stage_passes_through():

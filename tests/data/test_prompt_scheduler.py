@@ -67,7 +67,8 @@ def test_nothing_left_is_an_error_not_a_hang():
 
 
 def test_adaptive_samples_by_hand():
-    a = default_zve_config().adaptive  # min 4, max 16, multiple 4, target 0.2
+    a = default_zve_config().adaptive  # min 4, max 16, multiple 4
+    a.target_zv = 0.2
     assert zero_variance_prob(0.5, 4) == 0.125  # 2 * 0.5^4
     assert adaptive_samples(0.5, a) == 4  # n = 4 (min) already gives 0.125
     # p = 0.7: n=4 gives .7^4 + .3^4 = .2482 > .2; n=5 gives .1681 + .0024 = .1705 -> 5 -> 8
@@ -82,6 +83,7 @@ def test_adaptive_samples_by_hand():
 def test_stage1_skips_settled_prompts_until_their_evidence_ages():
     cfg = default_zve_config()
     cfg.adaptive.enabled = True
+    cfg.adaptive.target_zv = 0.2
     sched = PromptScheduler(_prompts(3), cfg, seed=0)
     sched.observe("p0", [1, 0, 1, 0, 1, 0, 1, 0])  # 4/8: p = 4.5/9 = .5 -> 4 samples
     sched.observe("p1", [1] * 8)  # 8/8: p = 8.5/9 = .944 -> settled
@@ -105,6 +107,7 @@ def _retire_cfg():
     cfg.retire.failed_streak = 3
     cfg.retire.reprobe_every = 2
     cfg.retire.reprobe_samples = 4
+    cfg.retire.reprobe_frac = 1.0  # every due prompt, up to one per active prompt
     return cfg
 
 
@@ -140,6 +143,28 @@ def test_stage5_failed_streak_and_a_probe_that_stays_settled():
     assert sched.status[1] == "retired" and sched.next_probe[1] == 6
     assert _ids(sched.next_prompts(1)) == ["p0"]  # epoch 5
     assert sorted(_ids(sched.next_prompts(2))) == ["p0", "p1"]  # epoch 6: probed again
+
+
+def test_reprobes_per_epoch_follow_the_credit():
+    cfg = _retire_cfg()
+    cfg.retire.solved_streak = 1
+    cfg.retire.reprobe_every = 1
+    cfg.retire.reprobe_frac = 0.25
+    sched = PromptScheduler(_prompts(6), cfg, seed=0)
+    sched.next_prompts(6)  # epoch 0
+    for i in range(6):  # p0..p3 solved (retired, streak 1), p4, p5 mixed
+        sched.observe(f"p{i}", [1, 1] if i < 4 else [1, 0])
+    # 2 active prompts x .25 = .5 probe credit per epoch: epochs alternate 0 and 1 probes, and
+    # the longest-waiting prompt goes first (all due since epoch 1: lowest index, then p1, ...)
+    probed = []
+    for expected_len in (2, 3, 2, 3, 2, 3):
+        drawn = sched.next_prompts(expected_len)
+        assert sorted(_ids(drawn))[-2:] == ["p4", "p5"]
+        probed += [p["prompt_id"] for p, _ in drawn if p["prompt_id"] not in ("p4", "p5")]
+        for p, n in drawn:
+            sched.observe(p["prompt_id"], [1] * n if p["prompt_id"] in probed else [1, 0])
+        assert sched.cursor == len(sched.order)  # the epoch is exactly that long
+    assert probed == ["p0", "p1", "p2"]
 
 
 def test_outcomes_must_be_binary():
