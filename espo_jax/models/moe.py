@@ -176,7 +176,7 @@ def capacity_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
     dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(dest_sorted)
     x_ExCxD = _gather_rows(x_NxD, dest_A, k, e * cap).reshape(e, cap, -1)
     y = expert_ffn(x_ExCxD, wg_ExDxF, wu_ExDxF, wo_ExFxD)
-    dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    dropped = jnp.sum(~keep).astype(jnp.float32) / a
     return _combine(y.reshape(e * cap, -1), dest_A, weights_Nxk), dropped
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from espo_jax.models import (
     ModelConfig,
-    forward,
     get_preset,
     init_params,
     lm_head_kernel,
@@ -20,8 +19,8 @@ TINY = get_preset("tiny")
 
 
 @pytest.fixture(scope="module")
-def params():
-    return init_params(TINY, jax.random.key(0))
+def params(tiny_params):
+    return tiny_params
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +30,10 @@ def tokens():
 
 def shapes(tree):
     return jax.tree_util.tree_map(lambda x: tuple(x.shape), tree)
+
+
+def abstract_params(cfg):
+    return jax.eval_shape(lambda r: init_params(cfg, r), jax.random.key(0))
 
 
 # ---- config -----------------------------------------------------------------------------------
@@ -87,7 +90,7 @@ def test_param_tree_matches_contract(params):
 def test_variant_trees_and_param_counts():
     cfg = TINY.replace(moe_every=2, shared_expert_d_ff=24, tie_embeddings=True, qkv_bias=True,
                        qk_norm=False)
-    p = init_params(cfg, jax.random.key(0))
+    p = abstract_params(cfg)
     s = shapes(p)
     assert "lm_head" not in s
     assert s["layers_0"]["mlp"] == {"gate_proj": {"kernel": (64, 128)},
@@ -99,7 +102,7 @@ def test_variant_trees_and_param_counts():
     assert s["layers_1"]["attn"]["q_proj"]["bias"] == (64,)
     assert "q_norm" not in s["layers_1"]["attn"]
     assert cfg.moe_layers == (1,)
-    for c, tree in ((cfg, p), (TINY, init_params(TINY, jax.random.key(0)))):
+    for c, tree in ((cfg, p), (TINY, abstract_params(TINY))):
         assert c.param_count() == sum(x.size for x in jax.tree_util.tree_leaves(tree))
     # tiny by hand: attention 64*16*(4+2+2) + 64*64 + 2*64 (norms) + 2*16 (q/k norm) = 12448;
     # MoE 64*8 + 8*3*64*32 = 49664; per layer 62112, 2 layers 124224; embed + head 2*128*64
@@ -108,8 +111,8 @@ def test_variant_trees_and_param_counts():
 
 
 # ---- forward semantics ------------------------------------------------------------------------
-def test_forward_shapes_and_metrics(params, tokens):
-    out = forward(TINY, params, tokens)
+def test_forward_shapes_and_metrics(params, tokens, fwd):
+    out = fwd(TINY, params, tokens)
     assert out.logits.shape == (2, 12, 128) and out.logits.dtype == jnp.float32
     assert out.routed_experts.shape == (2, 12, 2, 2) and out.routed_experts.dtype == jnp.int32
     assert len(out.router_logits) == 2 and out.router_logits[0].shape == (2, 12, 8)
@@ -129,41 +132,41 @@ def test_forward_shapes_and_metrics(params, tokens):
     np.testing.assert_allclose(out.aux_loss, 0.001 * lb, rtol=1e-6)  # z_loss_coef is 0
 
 
-def test_wrong_shapes_are_rejected(params, tokens):
+def test_wrong_shapes_are_rejected(params, tokens, fwd):
     with pytest.raises(ValueError, match=r"routed_experts_BxTxMxk has shape \(2, 12, 1, 2\), "
                                          r"expected \(2, 12, 2, 2\)"):
-        forward(TINY, params, tokens, routed_experts_BxTxMxk=jnp.zeros((2, 12, 1, 2), int))
+        fwd(TINY, params, tokens, routed_experts_BxTxMxk=jnp.zeros((2, 12, 1, 2), int))
     with pytest.raises(ValueError, match="tokens_BxT must be"):
-        forward(TINY, params, tokens[0])
+        fwd(TINY, params, tokens[0])
 
 
-def test_causal(params, tokens):
-    a = forward(TINY, params, tokens).logits
+def test_causal(params, tokens, fwd):
+    a = fwd(TINY, params, tokens).logits
     changed = tokens.at[:, 7:].set((tokens[:, 7:] + 1) % TINY.vocab_size)
-    b = forward(TINY, params, changed).logits
+    b = fwd(TINY, params, changed).logits
     np.testing.assert_array_equal(a[:, :7], b[:, :7])
     assert np.abs(a[:, 7:] - b[:, 7:]).max() > 1e-3
 
 
-def test_left_padding_with_attention_mask(params, tokens):
+def test_left_padding_with_attention_mask(params, tokens, fwd):
     """A row left-padded by 3 (positions counted from its first real token) gives the
     unpadded row's logits on its real tokens, whatever the padding ids are."""
     real = tokens[:1, :9]
     pad = jnp.concatenate([jnp.full((1, 3), 5), real], axis=1)
     mask = jnp.arange(12)[None] >= 3
     positions = jnp.maximum(jnp.arange(12)[None] - 3, 0)
-    ref = forward(TINY, params, real).logits
-    out = forward(TINY, params, pad, positions_BxT=positions, attention_mask_BxT=mask)
+    ref = fwd(TINY, params, real).logits
+    out = fwd(TINY, params, pad, positions_BxT=positions, attention_mask_BxT=mask)
     np.testing.assert_allclose(out.logits[:, 3:], ref, atol=1e-5)
     pad2 = pad.at[:, :3].set(77)
-    out2 = forward(TINY, params, pad2, positions_BxT=positions, attention_mask_BxT=mask)
+    out2 = fwd(TINY, params, pad2, positions_BxT=positions, attention_mask_BxT=mask)
     np.testing.assert_allclose(out2.logits[:, 3:], ref, atol=1e-5)
 
 
-def test_gqa_equals_mha_with_repeated_kv_heads(tokens):
+def test_gqa_equals_mha_with_repeated_kv_heads(tokens, fwd, init):
     """A GQA model (K=2) equals the MHA model (K=H=4) whose k/v kernels repeat each kv head
     for its H/K = 2 query heads."""
-    gqa = init_params(TINY, jax.random.key(3))
+    gqa = init(TINY, jax.random.key(3))
     mha_cfg = TINY.replace(n_kv_heads=4)
     mha = jax.tree_util.tree_map(lambda x: x, gqa)
     for i in range(2):
@@ -171,41 +174,41 @@ def test_gqa_equals_mha_with_repeated_kv_heads(tokens):
             k = gqa[f"layers_{i}"]["attn"][name]["kernel"].reshape(64, 2, 16)
             mha[f"layers_{i}"]["attn"][name] = {
                 "kernel": jnp.repeat(k, 2, axis=1).reshape(64, 64)}
-    np.testing.assert_allclose(forward(mha_cfg, mha, tokens).logits,
-                               forward(TINY, gqa, tokens).logits, atol=1e-5)
+    np.testing.assert_allclose(fwd(mha_cfg, mha, tokens).logits,
+                               fwd(TINY, gqa, tokens).logits, atol=1e-5)
 
 
-def test_return_hidden_and_lm_head_kernel(params, tokens):
-    out = forward(TINY, params, tokens, return_hidden=True, return_logits=False)
+def test_return_hidden_and_lm_head_kernel(params, tokens, fwd):
+    out = fwd(TINY, params, tokens, return_hidden=True, return_logits=False)
     assert out.logits is None and out.hidden.shape == (2, 12, 64)
-    logits = forward(TINY, params, tokens).logits
+    logits = fwd(TINY, params, tokens).logits
     np.testing.assert_allclose(out.hidden @ lm_head_kernel(TINY, params), logits, atol=1e-5)
 
 
-def test_tied_embeddings_use_the_embedding(tokens):
+def test_tied_embeddings_use_the_embedding(tokens, fwd, init):
     cfg = TINY.replace(tie_embeddings=True)
-    p = init_params(cfg, jax.random.key(0))
-    out = forward(cfg, p, tokens, return_hidden=True)
+    p = init(cfg, jax.random.key(0))
+    out = fwd(cfg, p, tokens, return_hidden=True)
     np.testing.assert_allclose(lm_head_kernel(cfg, p), p["embed"]["embedding"].T)
     np.testing.assert_allclose(out.logits, out.hidden @ p["embed"]["embedding"].T, atol=1e-5)
 
 
-def test_dense_model_has_no_routing(tokens):
+def test_dense_model_has_no_routing(tokens, fwd, init):
     cfg = TINY.replace(moe_every=0)
-    out = forward(cfg, init_params(cfg, jax.random.key(0)), tokens)
+    out = fwd(cfg, init(cfg, jax.random.key(0)), tokens)
     assert out.routed_experts.shape == (2, 12, 0, 2) and out.router_logits == ()
     assert out.aux_loss == 0.0
 
 
-def test_shared_expert_and_dense_every_other_layer_change_output(tokens):
+def test_shared_expert_and_dense_every_other_layer_change_output(tokens, fwd, init):
     cfg = TINY.replace(moe_every=2, shared_expert_d_ff=24)
-    p = init_params(cfg, jax.random.key(0))
-    out = forward(cfg, p, tokens)
+    p = init(cfg, jax.random.key(0))
+    out = fwd(cfg, p, tokens)
     assert out.routed_experts.shape == (2, 12, 1, 2)
     # zeroing the shared expert's down projection removes exactly its contribution
     p0 = jax.tree_util.tree_map(lambda x: x, p)
     p0["layers_1"]["moe"]["shared_expert"]["down_proj"] = {"kernel": jnp.zeros((24, 64))}
-    assert np.abs(forward(cfg, p0, tokens).logits - out.logits).max() > 1e-4
+    assert np.abs(fwd(cfg, p0, tokens).logits - out.logits).max() > 1e-4
 
 
 # ---- router and dispatch ------------------------------------------------------------------------
@@ -239,35 +242,56 @@ def test_aux_losses_by_hand():
     np.testing.assert_allclose(moe.z_loss(big, jnp.arange(8) < 4), math.log(8.0) ** 2, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dispatch", ["capacity", "ragged", "dense"])
-def test_dispatches_agree_with_dropless(params, tokens, dispatch):
-    ref = forward(TINY, params, tokens)
-    cfg = TINY.replace(dispatch=dispatch, capacity_factor=float(TINY.n_experts))
-    out = forward(cfg, params, tokens)
-    np.testing.assert_allclose(out.logits, ref.logits, atol=2e-5)
-    np.testing.assert_array_equal(out.routed_experts, ref.routed_experts)
-    assert out.metrics["moe/dropped_frac"] == 0.0
-
-
-def test_dropless_block_padding_is_exact():
-    """Blocks of 8 and of 1 rows give the same result as every expert on every token."""
+@pytest.fixture(scope="module")
+def moe_inputs():
+    """37 tokens (not a multiple of anything), D=16, E=6 experts of F=8, top-3."""
     k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(k1, (37, 16))
     w = [jax.random.normal(k, s) * 0.1 for k, s in
          zip(jax.random.split(k2, 3), [(6, 16, 8), (6, 16, 8), (6, 8, 16)], strict=True)]
     idx, gates = moe.select_experts(jax.random.normal(k3, (37, 6)), 3, True)
-    ref = moe.dense_dispatch(x, idx, gates, *w)
+    return x, idx, gates, w
+
+
+def test_exact_dispatches_agree(moe_inputs):
+    """Dropless (blocks of 1, 8, 64 rows), ragged_dot, and capacity with room for every
+    assignment all equal every-expert-on-every-token weighted by the sparse gates."""
+    x, idx, gates, w = moe_inputs
+    ref = jax.jit(moe.dense_dispatch)(x, idx, gates, *w)
+    # sanity of the reference: token 0 by hand, sum_j gate_j * SwiGLU_{e_j}(x_0)
+    by_hand = sum(
+        gates[0, j] * moe.expert_ffn(x[None, :1], *(wi[idx[0, j]][None] for wi in w))[0, 0]
+        for j in range(3))
+    np.testing.assert_allclose(ref[0], by_hand, atol=1e-6)
     for block in (1, 8, 64):
-        np.testing.assert_allclose(moe.dropless_dispatch(x, idx, gates, *w, block=block), ref,
-                                   atol=1e-5)
+        out = jax.jit(moe.dropless_dispatch, static_argnames="block")(x, idx, gates, *w,
+                                                                      block=block)
+        np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(moe.ragged_dispatch)(x, idx, gates, *w), ref, atol=1e-5)
+    # capacity factor E = 6: C = ceil(111/6 * 6) = 111 = every assignment fits
+    out, dropped = jax.jit(moe.capacity_dispatch, static_argnums=6)(x, idx, gates, *w, 6.0)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    assert dropped == 0.0
 
 
-def test_capacity_drops_are_counted(params, tokens):
+def test_capacity_dispatch_drops_excess_in_token_order(moe_inputs):
+    """All 37 tokens to experts (0, 1, 2): A = 111, C = ceil(111/6 * 1.0) = 19 per expert, so
+    tokens 0..18 keep all three experts, tokens 19..36 lose all: dropped = 54/111."""
+    x, _, gates, w = moe_inputs
+    idx = jnp.broadcast_to(jnp.array([0, 1, 2]), (37, 3))
+    out, dropped = jax.jit(moe.capacity_dispatch, static_argnums=6)(x, idx, gates, *w, 1.0)
+    ref = moe.dense_dispatch(x, idx, gates, *w)
+    np.testing.assert_allclose(dropped, 54 / 111, rtol=1e-6)
+    np.testing.assert_allclose(out[:19], ref[:19], atol=1e-5)
+    np.testing.assert_array_equal(out[19:], 0.0)
+
+
+def test_capacity_drops_are_counted(params, tokens, fwd):
     """All 24 tokens replayed to experts (0, 1): A = 48 assignments, C = ceil(48/8 * 1.0) = 6
     per expert, so 12 are kept and 36/48 = 0.75 dropped in each layer."""
     cfg = TINY.replace(dispatch="capacity", capacity_factor=1.0)
     replay = jnp.broadcast_to(jnp.array([0, 1]), (2, 12, 2, 2))
-    out = forward(cfg, params, tokens, routed_experts_BxTxMxk=replay)
+    out = fwd(cfg, params, tokens, routed_experts_BxTxMxk=replay)
     np.testing.assert_allclose(out.metrics["moe/dropped_frac"], 0.75)
 
 
