@@ -36,6 +36,10 @@ def prepare(builder_cls: type[OfflineBuilder], data_dir: str | os.PathLike, conf
     A second call with the same config reuses the prepared files.
     """
     kwargs = {} if config is None else {"config": config}
+    if config is not None and config.name in {c.name for c in builder_cls.BUILDER_CONFIGS}:
+        # TFDS refuses a config object named like a built-in one; names here are content
+        # digests, so the same name is the same content: select the built-in by name.
+        kwargs = {"config": config.name}
     builder = builder_cls(data_dir=os.fspath(data_dir), file_format="array_record", **kwargs)
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(try_download_gcs=False))

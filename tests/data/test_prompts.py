@@ -32,6 +32,17 @@ def test_arith_prompt_dicts(data_dir):
     assert [q["prompt_id"] for q in again] == [q["prompt_id"] for q in src]
 
 
+def test_default_config(tmp_path):
+    """The default levels (what experiments use when they pass no config)."""
+    src = arith_chains_source(tmp_path, "test", TOK)
+    levels = [p["level"] for p in src]
+    # levels 2-5 give the 200 asked for; level 1 (200 problems) holds out only those whose hash
+    # lands in the test tenth, fewer than 200
+    assert [levels.count(k) for k in (2, 3, 4, 5)] == [200] * 4
+    assert 5 < levels.count(1) < 50
+    assert max(len(p["prompt"]) + len(p["solution"]) for p in src) <= 64
+
+
 def test_level_filter(data_dir):
     hard = arith_chains_source(data_dir, "test", TOK, config=CONFIG, levels=[2])
     assert len(hard) == 10 and {p["level"] for p in hard} == {2}
