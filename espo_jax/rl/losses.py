@@ -37,8 +37,7 @@ PAPER_AGGREGATION = {
     "gspo_token": "seq_mean_token_mean",
     "espo": "group_mean",
 }
-_CHOICES = {
-    "name": tuple(PAPER_AGGREGATION),
+_CHOICES = {  # "name" is checked against the LOSSES registry at validation time
     "aggregation": AGGREGATIONS,
     "kl_estimator": ("k1", "k2", "k3"),
     "tis": ("off", "token", "sequence"),
@@ -88,6 +87,13 @@ def validate_loss_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"loss config has unknown key(s) {sorted(given - expected)}; "
             f"valid keys: {sorted(expected)}"
+        )
+    if config.name not in LOSSES:
+        raise ValueError(f"loss config name={config.name!r} is not one of {list(LOSSES)}")
+    if config.aggregation == "auto" and config.name not in PAPER_AGGREGATION:
+        raise ValueError(
+            f"aggregation='auto' needs PAPER_AGGREGATION[{config.name!r}]; register it or set "
+            f"aggregation to one of {list(AGGREGATIONS[1:])}"
         )
     for key, allowed in _CHOICES.items():
         if config[key] not in allowed:

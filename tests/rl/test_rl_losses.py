@@ -312,3 +312,23 @@ def test_jit_matches_eager(name):
     g_eager = jax.grad(lambda lp: f(lp)[0])(jnp.asarray(LOGP))
     g_jit = jax.jit(jax.grad(lambda lp: f(lp)[0]))(jnp.asarray(LOGP))
     np.testing.assert_allclose(g_jit, g_eager, rtol=1e-5, atol=1e-7)
+
+
+def test_a_registered_loss_is_validated_and_used(run_loss):
+    # A new loss is a new function in LOSSES: REINFORCE J_t = r_t A_t, no clip.
+    def reinforce(logp, old_logp, advantages, mask, config, *, entropy=None):
+        ratio = jnp.exp(jnp.where(mask > 0, logp - old_logp, 0.0))
+        ones = jnp.ones_like(ratio)
+        return losses.Surrogate(ratio * advantages * mask, ratio, 0 * ones, 9 * ones, None, {})
+
+    losses.LOSSES["reinforce"] = reinforce
+    try:
+        cfg = _cfg("reinforce")
+        with pytest.raises(ValueError, match=r"PAPER_AGGREGATION\['reinforce'\]"):
+            losses.validate_loss_config(cfg)
+        cfg.aggregation = "token_mean"
+        loss, _, _ = run_loss(cfg, jnp.asarray(LOGP), OLD, ADV, MASK)
+        # (0.7 + 1.1 + 1.3 - 0.7 - 1.1) / 5 = 1.3 / 5 = 0.26, unclipped.
+        assert loss == pytest.approx(-0.26, abs=1e-6)
+    finally:
+        del losses.LOSSES["reinforce"]
