@@ -1,5 +1,6 @@
 """Verifiers: exact arith check, math equivalences, timeouts (soft and hard), worker threads."""
 
+import functools
 import gc
 import os
 import signal
@@ -132,3 +133,17 @@ def test_in_process_mode_is_main_thread_only():
 def test_bad_timeout_is_named():
     with pytest.raises(ValueError, match="timeout_s"):
         verify_math("\\boxed{1}", "1", timeout_s=0)
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_inside_the_reward_pool(backend):
+    """The reward pool's workers (forkserver processes or threads) run verify_math as is."""
+    from espo_jax.rewards.pool import RewardPool
+
+    reward_fn = functools.partial(verify_math, timeout_s=5.0)
+    with RewardPool(reward_fn, num_workers=1, backend=backend, timeout_s=60.0) as pool:
+        pool.submit("g", 0, "so \\boxed{\\frac{1}{2}}", "0.5")
+        pool.submit("g", 1, "#### 3", "4")
+        results = pool.wait_group("g", 2, timeout=60.0)
+    assert [r.outcome for r in results] == [True, False]
+    assert not any(r.failed for r in results)
