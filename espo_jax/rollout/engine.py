@@ -53,6 +53,7 @@ class Request:
     tokens: Sequence[int]
     n_samples: int | None = None
     seed: int | None = None  # RNG stream of this request; default its index in the batch
+    max_new_tokens: int | None = None  # None: the sampling config's
 
 
 @dataclasses.dataclass
@@ -85,6 +86,17 @@ class Prefix:
 
 
 @flax.struct.dataclass
+class SlotSampling:
+    """A `SamplingConfig` as arrays, for `insert`."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    max_new: jax.Array
+    stop_N: jax.Array
+
+
+@flax.struct.dataclass
 class DecodeState:
     """Everything about the B decode slots; S = max_cache_len."""
 
@@ -97,6 +109,11 @@ class DecodeState:
     prompt_len_B: jax.Array
     phase_B: jax.Array  # FREE / ACTIVE / DONE
     keys_B: jax.Array  # per-sample PRNG keys
+    temperature_B: jax.Array  # sampling settings per slot (arrays: changing them never
+    top_k_B: jax.Array  # recompiles)
+    top_p_B: jax.Array
+    max_new_B: jax.Array
+    stop_BxN: jax.Array  # stop token ids, -1 = unused entry
     busy_steps: jax.Array  # slot-steps spent decoding (for the idle-slot fraction)
 
 
@@ -127,31 +144,44 @@ def _prefill(config: ModelConfig, params: dict, tokens_1xP: jax.Array, length: j
     p = tokens_1xP.shape[1]
     valid_1xP = jnp.arange(p)[None] < length
     out = models.forward(
-        config, params, tokens_1xP, attention_mask_BxT=valid_1xP,
-        cache=models.init_cache(config, 1, p), cache_mask_BxS=jnp.zeros((1, p), bool),
-        return_logits=False, return_hidden=True,
+        config,
+        params,
+        tokens_1xP,
+        attention_mask_BxT=valid_1xP,
+        cache=models.init_cache(config, 1, p),
+        cache_mask_BxS=jnp.zeros((1, p), bool),
+        return_logits=False,
+        return_hidden=True,
     )
     h_D = jax.lax.dynamic_index_in_dim(out.hidden[0], length - 1, keepdims=False)
     logits_V = jnp.dot(h_D.astype(config.dtype), models.lm_head_kernel(config, params))
     experts = jnp.where(valid_1xP[0, :, None, None], out.routed_experts[0], -1)
-    return Prefix(out.cache, length, tokens_1xP[0], logits_V.astype(jnp.float32),
-                  experts.astype(jnp.int16))
+    return Prefix(
+        out.cache, length, tokens_1xP[0], logits_V.astype(jnp.float32), experts.astype(jnp.int16)
+    )
 
 
-def _insert(sampling: SamplingConfig, prefix: Prefix, state: DecodeState, slot, key):
+def _insert(prefix: Prefix, state: DecodeState, slot, key, sp: SlotSampling):
     p, s = prefix.tokens_P.shape[0], state.tokens_BxS.shape[1]
     n = prefix.length
     cache = jax.tree.map(
         lambda c, new: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (slot, 0, 0, 0)),
-        state.cache, prefix.cache,
+        state.cache,
+        prefix.cache,
     )
-    tok, lp = sample(prefix.logits_V[None], jax.random.fold_in(key, 0)[None], sampling)
+    tok, lp = sample(
+        prefix.logits_V[None],
+        jax.random.fold_in(key, 0)[None],
+        sp.temperature[None],
+        sp.top_k[None],
+        sp.top_p[None],
+    )
     in_prompt_P = jnp.arange(p) < n
     tokens_S = jnp.zeros(s, jnp.int32).at[:p].set(jnp.where(in_prompt_P, prefix.tokens_P, 0))
-    experts = jnp.full(state.experts_BxSxMxk.shape[1:], -1, jnp.int16).at[:p].set(
-        prefix.experts_PxMxk)
-    done = jnp.isin(tok[0], jnp.array(sampling.stop_tokens or (-1,))) | (
-        sampling.max_new_tokens == 1)
+    experts = (
+        jnp.full(state.experts_BxSxMxk.shape[1:], -1, jnp.int16).at[:p].set(prefix.experts_PxMxk)
+    )
+    done = jnp.any(tok[0] == sp.stop_N) | (sp.max_new <= 1)
     return state.replace(
         cache=cache,
         cache_mask_BxS=state.cache_mask_BxS.at[slot].set(jnp.arange(s) < n),
@@ -162,33 +192,46 @@ def _insert(sampling: SamplingConfig, prefix: Prefix, state: DecodeState, slot, 
         prompt_len_B=state.prompt_len_B.at[slot].set(n),
         phase_B=state.phase_B.at[slot].set(jnp.where(done, DONE, ACTIVE)),
         keys_B=state.keys_B.at[slot].set(key),
+        temperature_B=state.temperature_B.at[slot].set(sp.temperature),
+        top_k_B=state.top_k_B.at[slot].set(sp.top_k),
+        top_p_B=state.top_p_B.at[slot].set(sp.top_p),
+        max_new_B=state.max_new_B.at[slot].set(sp.max_new),
+        stop_BxN=state.stop_BxN.at[slot].set(sp.stop_N),
     )
 
 
-def _decode_step(config: ModelConfig, sampling: SamplingConfig, params: dict, state: DecodeState):
+def _decode_step(config: ModelConfig, params: dict, state: DecodeState):
     b, s = state.tokens_BxS.shape
     rows = jnp.arange(b)
     active_B = state.phase_B == ACTIVE
     out = models.forward(
-        config, params, state.tokens_BxS[rows, state.pos_B][:, None],
-        positions_BxT=state.pos_B[:, None], attention_mask_BxT=active_B[:, None],
-        cache=state.cache, cache_mask_BxS=state.cache_mask_BxS,
+        config,
+        params,
+        state.tokens_BxS[rows, state.pos_B][:, None],
+        positions_BxT=state.pos_B[:, None],
+        attention_mask_BxT=active_B[:, None],
+        cache=state.cache,
+        cache_mask_BxS=state.cache_mask_BxS,
     )
     fed_at = jnp.where(active_B, state.pos_B, s)  # s: dropped (inactive rows write nothing)
     n_generated_B = state.pos_B - state.prompt_len_B + 1
     keys_B = jax.vmap(jax.random.fold_in)(state.keys_B, n_generated_B)
-    tok_B, lp_B = sample(out.logits[:, 0], keys_B, sampling)
+    tok_B, lp_B = sample(
+        out.logits[:, 0], keys_B, state.temperature_B, state.top_k_B, state.top_p_B
+    )
     new_pos_B = state.pos_B + 1
     write_at = jnp.where(active_B, new_pos_B, s)
-    stop_B = jnp.isin(tok_B, jnp.array(sampling.stop_tokens or (-1,))) | (
-        n_generated_B + 1 >= sampling.max_new_tokens)
+    stop_B = jnp.any(tok_B[:, None] == state.stop_BxN, axis=-1) | (
+        n_generated_B + 1 >= state.max_new_B
+    )
     new_state = state.replace(
         cache=out.cache,
         cache_mask_BxS=state.cache_mask_BxS.at[rows, fed_at].set(True, mode="drop"),
         tokens_BxS=state.tokens_BxS.at[rows, write_at].set(tok_B, mode="drop"),
         logprobs_BxS=state.logprobs_BxS.at[rows, write_at].set(lp_B, mode="drop"),
         experts_BxSxMxk=state.experts_BxSxMxk.at[rows, fed_at].set(
-            out.routed_experts[:, 0].astype(jnp.int16), mode="drop"),
+            out.routed_experts[:, 0].astype(jnp.int16), mode="drop"
+        ),
         pos_B=jnp.where(active_B, new_pos_B, state.pos_B),
         phase_B=jnp.where(active_B & stop_B, DONE, state.phase_B),
         busy_steps=state.busy_steps + jnp.sum(active_B),
@@ -196,8 +239,8 @@ def _decode_step(config: ModelConfig, sampling: SamplingConfig, params: dict, st
     return new_state, jnp.where(active_B, tok_B, -1)
 
 
-def _generate(config, sampling, n_steps: int, params: dict, state: DecodeState):
-    step = functools.partial(_decode_step, config, sampling, params)
+def _generate(config, n_steps: int, params: dict, state: DecodeState):
+    step = functools.partial(_decode_step, config, params)
     return jax.lax.scan(lambda st, _: step(st), state, None, length=n_steps)
 
 
@@ -216,28 +259,30 @@ class Engine:
         precision: str = "fp32",
         steps_per_sync: int = 4,
         min_prefill_len: int = 16,
+        max_stop_tokens: int = 8,
     ):
         if max_slots < 1 or steps_per_sync < 1:
-            raise ValueError(f"max_slots ({max_slots}) and steps_per_sync ({steps_per_sync}) "
-                             "must be >= 1")
+            raise ValueError(
+                f"max_slots ({max_slots}) and steps_per_sync ({steps_per_sync}) must be >= 1"
+            )
         if max_cache_len < 2:
             raise ValueError(f"max_cache_len must be >= 2, got {max_cache_len}")
-        if sampling.max_new_tokens >= max_cache_len:
-            raise ValueError(f"max_new_tokens ({sampling.max_new_tokens}) must be < max_cache_len "
-                             f"({max_cache_len}), which also holds the prompt")
         sampling = SamplingConfig() if sampling is None else sampling
         self.precision = precision
         _, self.config = engine_params({}, config, precision)
+        self.max_stop_tokens = max_stop_tokens
         self.sampling = sampling
         self.max_slots, self.max_cache_len = max_slots, max_cache_len
+        self.slot_sampling(sampling)  # validates it against this engine
         self.steps_per_sync, self.min_prefill_len = steps_per_sync, min_prefill_len
         self.params: dict | None = None
         self.last_stats: dict[str, float] = {}
         c = self.config
         self._prefill = jax.jit(functools.partial(_prefill, c))
-        self._insert = jax.jit(functools.partial(_insert, sampling), donate_argnums=(1,))
-        self._generate = jax.jit(functools.partial(_generate, c, sampling, steps_per_sync),
-                                 donate_argnums=(1,))
+        self._insert = jax.jit(_insert, donate_argnums=(1,))
+        self._generate = jax.jit(
+            functools.partial(_generate, c, steps_per_sync), donate_argnums=(1,)
+        )
         if params is not None:
             self.load_params(params)
 
@@ -265,46 +310,102 @@ class Engine:
         c, b, s = self.config, self.max_slots, self.max_cache_len
         zeros = lambda dt: jnp.zeros((b,), dt)
         return DecodeState(
-            cache=models.init_cache(c, b, s), cache_mask_BxS=jnp.zeros((b, s), bool),
-            tokens_BxS=jnp.zeros((b, s), jnp.int32), logprobs_BxS=jnp.zeros((b, s), jnp.float32),
+            cache=models.init_cache(c, b, s),
+            cache_mask_BxS=jnp.zeros((b, s), bool),
+            tokens_BxS=jnp.zeros((b, s), jnp.int32),
+            logprobs_BxS=jnp.zeros((b, s), jnp.float32),
             experts_BxSxMxk=jnp.full((b, s, c.n_moe_layers, c.top_k), -1, jnp.int16),
-            pos_B=zeros(jnp.int32), prompt_len_B=zeros(jnp.int32), phase_B=zeros(jnp.int32),
-            keys_B=jax.random.split(jax.random.key(0), b), busy_steps=jnp.zeros((), jnp.int32),
+            pos_B=zeros(jnp.int32),
+            prompt_len_B=zeros(jnp.int32),
+            phase_B=zeros(jnp.int32),
+            keys_B=jax.random.split(jax.random.key(0), b),
+            temperature_B=zeros(jnp.float32),
+            top_k_B=zeros(jnp.int32),
+            top_p_B=jnp.ones((b,), jnp.float32),
+            max_new_B=zeros(jnp.int32),
+            stop_BxN=jnp.full((b, self.max_stop_tokens), -1, jnp.int32),
+            busy_steps=jnp.zeros((), jnp.int32),
         )
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int,
-               key: jax.Array) -> DecodeState:
-        return self._insert(prefix, decode_state, jnp.int32(slot), key)
+    def slot_sampling(self, sampling: SamplingConfig) -> SlotSampling:
+        """`sampling` as the arrays `insert` takes; checks it fits this engine."""
+        if sampling.max_new_tokens >= self.max_cache_len:
+            raise ValueError(
+                f"max_new_tokens ({sampling.max_new_tokens}) must be < max_cache_len "
+                f"({self.max_cache_len}), which also holds the prompt"
+            )
+        if len(sampling.stop_tokens) > self.max_stop_tokens:
+            raise ValueError(
+                f"{len(sampling.stop_tokens)} stop tokens; this engine takes at most "
+                f"max_stop_tokens={self.max_stop_tokens}"
+            )
+        stop = np.full((self.max_stop_tokens,), -1, np.int32)
+        stop[: len(sampling.stop_tokens)] = sampling.stop_tokens
+        return SlotSampling(
+            jnp.float32(sampling.temperature),
+            jnp.int32(sampling.top_k),
+            jnp.float32(sampling.top_p),
+            jnp.int32(sampling.max_new_tokens),
+            jnp.asarray(stop),
+        )
+
+    def insert(
+        self,
+        prefix: Prefix,
+        decode_state: DecodeState,
+        slot: int,
+        key: jax.Array,
+        sampling: SamplingConfig | SlotSampling | None = None,
+    ) -> DecodeState:
+        """Starts a sample of `prefix` in `slot` (drawing its first token with `key`)."""
+        sp = (
+            sampling
+            if isinstance(sampling, SlotSampling)
+            else self.slot_sampling(sampling or self.sampling)
+        )
+        return self._insert(prefix, decode_state, jnp.int32(slot), key, sp)
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """`steps_per_sync` decode steps; tokens [steps, B] sampled (-1 where a slot was idle)."""
         return self._generate(params, decode_state)
 
     # -- driver ------------------------------------------------------------------------------
-    def _check(self, requests: Sequence[Request], n_samples: int) -> None:
-        limit = self.max_cache_len - self.sampling.max_new_tokens
+    def _check(self, requests: Sequence[Request], n_samples: int, sampling) -> None:
         for i, r in enumerate(requests):
+            max_new = r.max_new_tokens or sampling.max_new_tokens
+            limit = self.max_cache_len - max_new
             if not 1 <= len(r.tokens) <= limit:
                 raise ValueError(
                     f"request {i} (prompt {r.prompt_id!r}) has {len(r.tokens)} prompt tokens; "
                     f"need 1..{limit} (max_cache_len {self.max_cache_len} - max_new_tokens "
-                    f"{self.sampling.max_new_tokens})")
+                    f"{max_new})"
+                )
             if (r.n_samples or n_samples) < 1:
                 raise ValueError(f"request {i}: n_samples must be >= 1")
             bad = [t for t in r.tokens if not 0 <= int(t) < self.config.vocab_size]
             if bad:
-                raise ValueError(f"request {i}: token ids {bad[:5]} outside the vocabulary "
-                                 f"[0, {self.config.vocab_size})")
+                raise ValueError(
+                    f"request {i}: token ids {bad[:5]} outside the vocabulary "
+                    f"[0, {self.config.vocab_size})"
+                )
 
-    def _collect(self, state: DecodeState, slot: int) -> tuple[Generation, int]:
+    def _collect(self, state: DecodeState, slot: int, stop_tokens) -> tuple[Generation, int]:
         pos, n = (int(x) for x in jax.device_get((state.pos_B[slot], state.prompt_len_B[slot])))
-        tokens, logprobs, experts = jax.device_get((
-            state.tokens_BxS[slot, n:pos + 1], state.logprobs_BxS[slot, n:pos + 1],
-            state.experts_BxSxMxk[slot, :pos + 1]))
-        stopped = int(tokens[-1]) in self.sampling.stop_tokens
+        tokens, logprobs, experts = jax.device_get(
+            (
+                state.tokens_BxS[slot, n : pos + 1],
+                state.logprobs_BxS[slot, n : pos + 1],
+                state.experts_BxSxMxk[slot, : pos + 1],
+            )
+        )
+        stopped = int(tokens[-1]) in stop_tokens
         routed = np.asarray(experts, np.int16) if self.config.n_moe_layers else None
-        gen = Generation(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), routed,
-                         "stop" if stopped else "length")
+        gen = Generation(
+            np.asarray(tokens, np.int32),
+            np.asarray(logprobs, np.float32),
+            routed,
+            "stop" if stopped else "length",
+        )
         return gen, len(tokens)
 
     def generate_groups(
@@ -317,23 +418,37 @@ class Engine:
         admission: str = "fifo",
         predictor: scheduling.LengthPredictor | None = None,
         on_group: Callable[[GenerationGroup], None] | None = None,
+        sampling: SamplingConfig | None = None,
     ) -> list[GenerationGroup]:
         """Samples every request's responses with continuous batching; groups in request order.
 
         admission: "fifo" or "longest_first" (by `predictor.predict(prompt_id)`). `on_group` is
         called with each group as soon as its last sample finishes (completion order), e.g. to
-        start scoring it while decoding goes on. Figures of the run go to `self.last_stats`.
+        start scoring it while decoding goes on. `sampling` overrides the engine's for this call
+        (no recompilation). Figures of the run go to `self.last_stats`.
         """
         params = self.params if params is None else params
         if params is None:
             raise ValueError("Engine has no weights: pass params or call load_params first")
         if admission == "longest_first" and predictor is None:
             raise ValueError("admission='longest_first' needs a LengthPredictor")
-        self._check(requests, n_samples)
+        sampling = sampling or self.sampling
+        self._check(requests, n_samples, sampling)
+        sps = [
+            self.slot_sampling(
+                dataclasses.replace(
+                    sampling, max_new_tokens=r.max_new_tokens or sampling.max_new_tokens
+                )
+            )
+            for r in requests
+        ]
         rng = jax.random.key(0) if rng is None else rng
         predicted = [predictor.predict(r.prompt_id) if predictor else 0.0 for r in requests]
-        queue = [(i, g) for i in scheduling.admission_order(predicted, admission)
-                 for g in range(requests[i].n_samples or n_samples)]
+        queue = [
+            (i, g)
+            for i in scheduling.admission_order(predicted, admission)
+            for g in range(requests[i].n_samples or n_samples)
+        ]
         queue.reverse()  # pop() from the end
         start = time.perf_counter()
         state = self.init_decode_state()
@@ -350,7 +465,7 @@ class Engine:
                     if i not in prefixes:
                         prefixes[i] = self.prefill(params, r.tokens)
                     seed = i if r.seed is None else r.seed
-                    state = self.insert(prefixes[i], state, slot, request_key(rng, seed, g))
+                    state = self.insert(prefixes[i], state, slot, request_key(rng, seed, g), sps[i])
                     owner[slot] = (i, g)
             state, _ = self.generate(params, state)
             syncs += 1
@@ -359,7 +474,7 @@ class Engine:
                 if owner[slot] is None:
                     continue
                 (i, g), owner[slot] = owner[slot], None
-                gen, n = self._collect(state, slot)
+                gen, n = self._collect(state, slot, sampling.stop_tokens)
                 generated += n
                 pending.setdefault(i, {})[g] = gen
                 want = requests[i].n_samples or n_samples
@@ -367,15 +482,20 @@ class Engine:
                     r = requests[i]
                     done = pending.pop(i)
                     prefixes.pop(i, None)
-                    groups[i] = GenerationGroup(i, r.prompt_id, np.asarray(r.tokens, np.int32),
-                                                [done[k] for k in range(want)])
+                    groups[i] = GenerationGroup(
+                        i,
+                        r.prompt_id,
+                        np.asarray(r.tokens, np.int32),
+                        [done[k] for k in range(want)],
+                    )
                     if on_group is not None:
                         on_group(groups[i])
         wall = time.perf_counter() - start
         slot_steps = syncs * self.steps_per_sync * self.max_slots
         busy = int(state.busy_steps)
         self.last_stats = {
-            "engine/wall_s": wall, "engine/generated_tokens": float(generated),
+            "engine/wall_s": wall,
+            "engine/generated_tokens": float(generated),
             "engine/tokens_per_s": generated / wall if wall > 0 else 0.0,
             "engine/decode_steps": float(syncs * self.steps_per_sync),
             "engine/idle_slot_frac": 1.0 - busy / slot_steps if slot_steps else 0.0,

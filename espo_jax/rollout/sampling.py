@@ -20,7 +20,10 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How tokens are drawn and when a response ends. Hashable (a static jit argument)."""
+    """How tokens are drawn and when a response ends.
+
+    The engine keeps these per decode slot as arrays, so changing them never recompiles.
+    """
 
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = no top-k truncation
@@ -40,32 +43,46 @@ class SamplingConfig:
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
 
-def truncated_logits(logits_BxV: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """fp32 logits / temperature with tokens outside top-k / top-p set to -inf."""
-    x = logits_BxV.astype(jnp.float32) / sampling.temperature
-    if sampling.top_k and sampling.top_k < x.shape[-1]:
-        kth_Bx1 = jax.lax.top_k(x, sampling.top_k)[0][:, -1:]
-        x = jnp.where(x < kth_Bx1, -jnp.inf, x)
-    if sampling.top_p < 1.0:
-        sorted_BxV = jnp.sort(x, axis=-1)[:, ::-1]
-        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-        mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-        # Keep the smallest prefix whose mass reaches top_p (the first token always).
-        keep_BxV = mass_before_BxV < sampling.top_p
-        cutoff_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < cutoff_Bx1, -jnp.inf, x)
-    return x
+def truncated_logits(
+    logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array
+) -> jax.Array:
+    """fp32 logits / temperature with tokens outside top-k, then top-p, set to -inf.
+
+    Per-row parameters (traced, so one compiled step serves every setting): top_k 0 and
+    top_p >= 1 keep everything; a row with temperature 0 is divided by 1 (greedy rows use the
+    raw logits; see `sample`). Ties at the k-th value are kept.
+    """
+    x = logits_BxV.astype(jnp.float32)
+    x = x / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    v = x.shape[-1]
+    sorted_BxV = jnp.sort(x, axis=-1)[:, ::-1]
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, jnp.clip(top_k_B - 1, 0, v - 1)[:, None], axis=-1)
+    kth_Bx1 = jnp.where(top_k_B[:, None] > 0, kth_Bx1, -jnp.inf)
+    sorted_BxV = jnp.where(sorted_BxV < kth_Bx1, -jnp.inf, sorted_BxV)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    # The smallest prefix whose mass reaches top_p (the first token always); top_p >= 1 keeps
+    # all (a cumulative fp32 sum can reach 1.0 before the tail, which must not be cut).
+    keep_BxV = (mass_before_BxV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
+    cutoff_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x < jnp.maximum(cutoff_Bx1, kth_Bx1), -jnp.inf, x)
 
 
 def sample(
-    logits_BxV: jax.Array, keys_B: jax.Array, sampling: SamplingConfig
+    logits_BxV: jax.Array,
+    keys_B: jax.Array,
+    temperature_B: jax.Array,
+    top_k_B: jax.Array,
+    top_p_B: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row and its log-prob (see module doc); row b uses only `keys_B[b]`."""
-    if sampling.temperature == 0.0:
-        logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)
-        tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    else:
-        x_BxV = truncated_logits(logits_BxV, sampling)
-        logp_BxV = jax.nn.log_softmax(x_BxV, axis=-1)
-        tokens_B = jax.vmap(jax.random.categorical)(keys_B, x_BxV).astype(jnp.int32)
+    x_BxV = truncated_logits(logits_BxV, temperature_B, top_k_B, top_p_B)
+    sampled_B = jax.vmap(jax.random.categorical)(keys_B, x_BxV)
+    greedy_B = temperature_B <= 0
+    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1), sampled_B).astype(jnp.int32)
+    logp_BxV = jnp.where(
+        greedy_B[:, None],
+        jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1),
+        jax.nn.log_softmax(x_BxV, axis=-1),
+    )
     return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]

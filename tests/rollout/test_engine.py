@@ -1,0 +1,261 @@
+"""The rollout engine against the learner's forward: greedy = teacher-forced argmax, cached logits =
+recomputed, fp32 log-probs and experts = learner's, FP8 + replay, continuous batching, sampling.
+
+One fp32 engine and one FP8 engine (tiny model) are compiled for the module; sampling settings
+are per-slot arrays, so greedy and sampled runs share the compiled step.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax import models
+from espo_jax.rollout import engine as engine_lib
+from espo_jax.rollout import mismatch, scheduling
+from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.rollout.sampling import sample as sample_eager
+from espo_jax.rollout.sampling import truncated_logits as truncated_eager
+
+CONFIG = models.get_preset("tiny")
+SLOTS, CACHE, SYNC = 4, 64, 4
+truncated_logits, sample = jax.jit(truncated_eager), jax.jit(sample_eager)
+SAMPLED = SamplingConfig(temperature=1.0, max_new_tokens=12)
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
+
+
+def prompts(n):
+    rng = np.random.default_rng(0)  # the same prompts on every call
+    return [
+        engine_lib.Request(f"p{i}", rng.integers(3, CONFIG.vocab_size, size=4 + i % 5).tolist())
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.jit(models.init_params, static_argnums=0)(CONFIG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+    return engine_lib.Engine(
+        CONFIG, params, sampling=SAMPLED, max_slots=SLOTS, max_cache_len=CACHE, steps_per_sync=SYNC
+    )
+
+
+@pytest.fixture(scope="module")
+def sampled_groups(engine):
+    return engine.generate_groups(prompts(5), n_samples=3, rng=jax.random.key(1))
+
+
+@jax.jit
+def _learner(params, tokens_BxT):
+    out = models.forward(CONFIG, params, tokens_BxT)
+    return out.logits, out.routed_experts
+
+
+@jax.jit
+def _cached(params, tokens_BxT, positions_BxT, cache, cache_mask_BxS):
+    return models.forward(
+        CONFIG,
+        params,
+        tokens_BxT,
+        positions_BxT=positions_BxT,
+        cache=cache,
+        cache_mask_BxS=cache_mask_BxS,
+    ).logits
+
+
+def full_forward(params, prompt, response):
+    """Learner logits [T, V] and routed experts [T, M, k] of prompt + response (one compiled
+    shape: the sequence is padded to 32, which leaves earlier positions unchanged)."""
+    seq = np.concatenate([prompt, response])
+    tokens = np.zeros((1, 32), np.int32)
+    tokens[0, : len(seq)] = seq
+    logits, experts = _learner(params, jnp.asarray(tokens))
+    return np.asarray(logits[0, : len(seq)]), np.asarray(experts[0, : len(seq)])
+
+
+def test_greedy_equals_teacher_forced_argmax(engine, params):
+    groups = engine.generate_groups(prompts(3), n_samples=2, sampling=GREEDY)
+    for g in groups:
+        assert np.array_equal(g.responses[0].tokens, g.responses[1].tokens)  # greedy: no RNG
+        r = g.responses[0]
+        assert len(r.tokens) == 12 and r.finish_reason == "length"
+        logits, _ = full_forward(params, g.prompt_tokens, r.tokens)
+        p = len(g.prompt_tokens)
+        # Position p-1+t predicts response token t.
+        np.testing.assert_array_equal(np.argmax(logits[p - 1 : -1], axis=-1), r.tokens)
+        # Greedy records the model's log-softmax of the chosen token.
+        logp = jax.nn.log_softmax(logits[p - 1 : -1], axis=-1)
+        np.testing.assert_allclose(logp[np.arange(12), r.tokens], r.logprobs, atol=1e-5)
+
+
+def test_stop_token_ends_a_response(engine):
+    req = prompts(1)
+    first = engine.generate_groups(req, sampling=GREEDY)[0].responses[0].tokens
+    stop = int(first[2])
+    n = int(np.flatnonzero(first == stop)[0]) + 1  # the stop token is the last one kept
+    stopped = engine.generate_groups(
+        req, sampling=SamplingConfig(temperature=0.0, max_new_tokens=12, stop_tokens=(stop,))
+    )[0].responses[0]
+    np.testing.assert_array_equal(stopped.tokens, first[:n])
+    assert stopped.finish_reason == "stop"
+
+
+def test_cached_decode_logits_equal_recomputed(engine, params):
+    reqs = prompts(3)
+    state = engine.init_decode_state()
+    for slot, r in zip([2, 0, 3], reqs, strict=True):  # other rows hold other sequences
+        prefix = engine.prefill(engine.params, r.tokens)
+        state = engine.insert(prefix, state, slot, jax.random.key(slot))
+    for _ in range(2):
+        state, _ = engine.generate(engine.params, state)
+    pos = np.asarray(state.pos_B)
+    last = np.asarray(state.tokens_BxS)[np.arange(SLOTS), pos]
+    cached = _cached(
+        params,
+        jnp.asarray(last)[:, None],
+        jnp.asarray(pos)[:, None],
+        state.cache,
+        state.cache_mask_BxS,
+    )
+    for slot in (2, 0, 3):
+        seq = np.asarray(state.tokens_BxS)[slot, : pos[slot] + 1]
+        full, _ = full_forward(params, seq[:1], seq[1:])
+        np.testing.assert_allclose(cached[slot, 0], full[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_fp32_logprobs_and_experts_equal_the_learner(sampled_groups, params):
+    assert [g.prompt_id for g in sampled_groups] == [f"p{i}" for i in range(5)]
+    for g in sampled_groups:
+        assert len(g.responses) == 3
+        for r in g.responses:
+            p, n = len(g.prompt_tokens), len(r.tokens)
+            assert r.routed_experts.shape == (p + n, CONFIG.n_moe_layers, CONFIG.top_k)
+            _, experts = full_forward(params, g.prompt_tokens, r.tokens)
+            # Every fed token (all but the last sampled one) carries the learner's top-k.
+            np.testing.assert_array_equal(r.routed_experts[:-1], experts[:-1])
+            assert np.all(r.routed_experts[-1] == -1)
+    metrics = mismatch.measure_mismatch(CONFIG, params, sampled_groups, replay=False)
+    assert metrics["mismatch/tokens"] == 5 * 3 * 12
+    assert metrics["mismatch/logp_abs_max"] < 1e-5
+    assert metrics["moe/routing_flip_rate"] == 0.0
+
+
+def test_samples_do_not_depend_on_slots_or_admission(engine, sampled_groups):
+    predictor = scheduling.LengthPredictor()
+    for i in range(5):
+        predictor.observe(f"p{i}", [10 - i])  # reverses the admission order
+    again = engine.generate_groups(
+        prompts(5),
+        n_samples=3,
+        rng=jax.random.key(1),
+        admission="longest_first",
+        predictor=predictor,
+    )
+    for a, b in zip(sampled_groups, again, strict=True):
+        for ra, rb in zip(a.responses, b.responses, strict=True):
+            np.testing.assert_array_equal(ra.tokens, rb.tokens)
+            np.testing.assert_array_equal(ra.logprobs, rb.logprobs)
+    other = engine.generate_groups(prompts(5), n_samples=3, rng=jax.random.key(2))
+    assert not all(
+        np.array_equal(a.responses[0].tokens, b.responses[0].tokens)
+        for a, b in zip(sampled_groups, other, strict=True)
+    )
+
+
+def test_continuous_batching_refills_slots(engine):
+    # One 33-token request and seven 5-token ones, 4 slots, 4 steps per sync. A response of n
+    # tokens draws its first at insert and needs n-1 decode steps: 32 (8 syncs) and 4 (1 sync).
+    long = engine_lib.Request("long", [5, 6, 7], max_new_tokens=33)
+    short = [engine_lib.Request(f"s{i}", [8, 9], max_new_tokens=5) for i in range(7)]
+    completed = []
+    groups = engine.generate_groups(
+        [long] + short, on_group=lambda g: completed.append(g.prompt_id)
+    )
+    assert [len(g.responses[0].tokens) for g in groups] == [33] + [5] * 7
+    # The long one holds slot 0 for 8 syncs while the other 3 slots run the 7 short ones in 3:
+    # 8 syncs = 32 steps (a static batch would wait: 8 + 1 syncs).
+    assert engine.last_stats["engine/decode_steps"] == 32
+    # Busy slot-steps 32 + 7 * 4 = 60 of 32 * 4 = 128.
+    assert engine.last_stats["engine/idle_slot_frac"] == pytest.approx(1 - 60 / 128)
+    assert completed[-1] == "long" and [g.prompt_id for g in groups][0] == "long"
+    # FIFO with the long request last: it starts in sync 2 and ends after sync 9 = 36 steps;
+    # longest-first admission restores 32.
+    order = short + [long]
+    engine.generate_groups(order)
+    assert engine.last_stats["engine/decode_steps"] == 36
+    predictor = scheduling.LengthPredictor()
+    predictor.observe("long", [33])
+    predictor.observe("s0", [5])
+    engine.generate_groups(order, admission="longest_first", predictor=predictor)
+    assert engine.last_stats["engine/decode_steps"] == 32
+
+
+def test_fp8_with_replay_reduces_the_gap(params):
+    fp8 = engine_lib.Engine(
+        CONFIG,
+        params,
+        sampling=SAMPLED,
+        max_slots=SLOTS,
+        max_cache_len=CACHE,
+        steps_per_sync=SYNC,
+        precision="fp8",
+    )
+    assert fp8.sampler_name == "jax-fp8"
+    groups = fp8.generate_groups(prompts(8), n_samples=2, rng=jax.random.key(3))
+    plain = mismatch.measure_mismatch(CONFIG, params, groups, replay=False)
+    replay = mismatch.measure_mismatch(CONFIG, params, groups, replay=True)
+    factor = plain["mismatch/logp_abs_mean"] / replay["mismatch/logp_abs_mean"]
+    print(
+        f"\nFP8 engine vs fp32 learner: mean |dlogp| {plain['mismatch/logp_abs_mean']:.2e} "
+        f"without replay, {replay['mismatch/logp_abs_mean']:.2e} with replay ({factor:.2f}x); "
+        f"flip rate {plain['moe/routing_flip_rate']:.3f}"
+    )
+    assert plain["moe/routing_flip_rate"] > 0  # FP8 noise flips some routing decisions
+    assert plain["mismatch/logp_abs_mean"] > 1e-4  # and is far above fp32 numerics
+    assert factor > 1.0
+
+
+def test_truncation_by_hand():
+    # probs .4 .3 .2 .1
+    logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]] * 4))
+    x = truncated_logits(
+        logits, jnp.ones(4), jnp.array([0, 2, 0, 0]), jnp.array([1.0, 1.0, 0.6, 0.75])
+    )
+    finite = np.isfinite(np.asarray(x))
+    # Row 0 keeps all; top_k 2 keeps 2; top_p .6: mass before = 0, .4, .7 -> keeps 2; .75 keeps 3.
+    assert finite.sum(axis=1).tolist() == [4, 2, 2, 3]
+    np.testing.assert_allclose(jax.nn.log_softmax(x[1])[0], np.log(0.4 / 0.7), rtol=1e-6)
+    # Temperature 0.5 squares the probabilities: .16 / (.16 + .09 + .04 + .01) = .16 / .3.
+    x = truncated_logits(logits[:1], jnp.array([0.5]), jnp.array([0]), jnp.array([1.0]))
+    np.testing.assert_allclose(jax.nn.log_softmax(x[0])[0], np.log(0.16 / 0.3), rtol=1e-5)
+
+
+def test_sample_frequencies_and_greedy():
+    n = 4000
+    logits = jnp.broadcast_to(jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1])), (n, 4))
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, logp = sample(logits, keys, jnp.ones(n), jnp.full(n, 2), jnp.ones(n))
+    counts = np.bincount(np.asarray(tokens), minlength=4)
+    assert counts[2] == counts[3] == 0
+    assert counts[0] / n == pytest.approx(4 / 7, abs=0.03)  # 3 sigma ~ 0.023
+    np.testing.assert_allclose(logp[tokens == 1], np.log(3 / 7), rtol=1e-5)
+    tokens, logp = sample(logits[:2], keys[:2], jnp.zeros(2), jnp.zeros(2, int), jnp.ones(2))
+    assert tokens.tolist() == [0, 0]
+    np.testing.assert_allclose(logp, np.log(0.4), rtol=1e-6)
+
+
+def test_bad_requests_are_named(engine):
+    with pytest.raises(ValueError, match=r"\(prompt 'x'\) has 60 prompt tokens; need 1..52"):
+        engine.generate_groups([engine_lib.Request("x", [3] * 60)])  # 60 > 64 - 12
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate_groups([engine_lib.Request("x", [3, 999])])
+    with pytest.raises(ValueError, match="LengthPredictor"):
+        engine.generate_groups(prompts(1), admission="longest_first")
+    with pytest.raises(ValueError, match="precision 'int4' unknown"):
+        engine_lib.Engine(CONFIG, precision="int4")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate_groups(prompts(1), sampling=SamplingConfig(max_new_tokens=64))
