@@ -76,6 +76,12 @@ class Embed(nn.Module):
         return jnp.dot(x_BxTxD.astype(c.dtype), quant.maybe_dequant(self.embedding, c.dtype).T)
 
 
+def _constrain(x_BxTxD: jax.Array) -> jax.Array:
+    """Residual-stream sharding by logical names; a no-op outside
+    `espo_jax.sharding.activation_sharding` (no rules set)."""
+    return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
+
+
 class Transformer(nn.Module):
     config: ModelConfig
 
@@ -84,7 +90,7 @@ class Transformer(nn.Module):
                  cache_mask_BxS, return_logits: bool):
         c = self.config
         embed = Embed(c, name="embed")
-        x = embed(tokens_BxT)
+        x = _constrain(embed(tokens_BxT))
         new_cache, logits_list, experts_list, stats_list = {}, [], [], []
         for i in range(c.n_layers):
             m = len(experts_list)
@@ -94,6 +100,7 @@ class Transformer(nn.Module):
             x, layer_cache, routing = Block(c, moe, name=f"layers_{i}")(
                 x, positions_BxT, valid_BxT, replay, layer_cache, cache_mask_BxS
             )
+            x = _constrain(x)
             if cache is not None:
                 new_cache[f"layers_{i}"] = layer_cache
             if routing is not None:
