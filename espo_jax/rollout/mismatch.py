@@ -49,6 +49,10 @@ def _learner_logp(config: ModelConfig, params, tokens_BxT, valid_BxT, replay: bo
     return logp_BxT1, natural
 
 
+def _mean_abs(x: np.ndarray) -> float:
+    return float(np.mean(np.abs(x))) if x.size else 0.0
+
+
 def _rows(groups: Iterable[Any]):
     for g in groups:
         prompt = np.asarray(g.prompt_tokens, np.int32)
@@ -67,6 +71,8 @@ def measure_mismatch(
     """Mismatch metrics (see module doc) over every response token of `groups`.
 
     Keys: mismatch/logp_abs_mean, mismatch/logp_abs_max, mismatch/kl_k3, mismatch/tokens,
+    mismatch/logp_abs_mean_at_flips and _elsewhere (tokens predicted at a position where any
+    layer's routing flipped, and the rest), mismatch/tokens_at_flips,
     moe/routing_flip_rate (mean over layers) and moe/routing_flip_rate/layer_{m}.
     """
     rows = list(_rows(groups))
@@ -77,7 +83,7 @@ def measure_mismatch(
         raise ValueError("measure_mismatch(replay=True) needs routed_experts on every response")
     longest = max(len(p) + len(r.tokens) for p, r in rows)
     t = max(16, 1 << (longest - 1).bit_length())  # bucketed: few compiled shapes
-    deltas, flips, counted = [], np.zeros(m), np.zeros(m)
+    deltas, flipped_tok, flips, counted = [], [], np.zeros(m), np.zeros(m)
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         tokens = np.zeros((batch_size, t), np.int32)
@@ -107,14 +113,22 @@ def measure_mismatch(
         for b, (prompt, r) in enumerate(chunk):
             p, n = len(prompt), len(r.tokens)
             deltas.append(logp[b, p - 1 : p - 1 + n] - np.asarray(r.logprobs, np.float32))
+            flipped_T = np.zeros(p + n, bool)
             if m and r.routed_experts is not None:
                 rec = experts[b, : p + n]
                 has = np.all(rec >= 0, axis=-1)  # [T, M]
                 same = np.all(np.sort(rec, -1) == np.sort(natural[b, : p + n], -1), axis=-1)
                 flips += np.sum(has & ~same, axis=0)
                 counted += np.sum(has, axis=0)
+                flipped_T = np.any(has & ~same, axis=-1)
+            flipped_tok.append(flipped_T[p - 1 : p - 1 + n])  # the position predicting it
     d = np.concatenate(deltas).astype(np.float64)  # logp_learner - logp_rollout
+    at_flip = np.concatenate(flipped_tok)
     out = {
+        # Tokens predicted at a position where some layer's routing flipped, and the others.
+        "mismatch/logp_abs_mean_at_flips": _mean_abs(d[at_flip]),
+        "mismatch/logp_abs_mean_elsewhere": _mean_abs(d[~at_flip]),
+        "mismatch/tokens_at_flips": float(np.sum(at_flip)),
         "mismatch/logp_abs_mean": float(np.mean(np.abs(d))) if d.size else 0.0,
         "mismatch/logp_abs_max": float(np.max(np.abs(d))) if d.size else 0.0,
         "mismatch/kl_k3": float(np.mean(np.expm1(d) - d)) if d.size else 0.0,

@@ -194,10 +194,25 @@ def test_continuous_batching_refills_slots(engine):
     assert engine.last_stats["engine/decode_steps"] == 32
 
 
+def scale_experts(params, factor):
+    """Expert weights x factor: at init (std 0.02) an expert's output is ~1e-4 of the residual
+    stream and a routing flip moves no logit; scaled, experts matter as in a trained model."""
+    scaled = {}
+    for name, layer in params.items():
+        if "moe" in layer:
+            moe = dict(layer["moe"])
+            for w in ("wi_gate", "wi_up", "wo"):
+                moe[w] = moe[w] * factor
+            layer = {**layer, "moe": moe}
+        scaled[name] = layer
+    return scaled
+
+
 def test_fp8_with_replay_reduces_the_gap(params):
+    learner = scale_experts(params, 4.0)
     fp8 = engine_lib.Engine(
         CONFIG,
-        params,
+        learner,
         sampling=SAMPLED,
         max_slots=SLOTS,
         max_cache_len=CACHE,
@@ -206,17 +221,21 @@ def test_fp8_with_replay_reduces_the_gap(params):
     )
     assert fp8.sampler_name == "jax-fp8"
     groups = fp8.generate_groups(prompts(8), n_samples=2, rng=jax.random.key(3))
-    plain = mismatch.measure_mismatch(CONFIG, params, groups, replay=False)
-    replay = mismatch.measure_mismatch(CONFIG, params, groups, replay=True)
+    plain = mismatch.measure_mismatch(CONFIG, learner, groups, replay=False)
+    replay = mismatch.measure_mismatch(CONFIG, learner, groups, replay=True)
     factor = plain["mismatch/logp_abs_mean"] / replay["mismatch/logp_abs_mean"]
+    at_flips = plain["mismatch/logp_abs_mean_at_flips"] / replay["mismatch/logp_abs_mean_at_flips"]
     print(
         f"\nFP8 engine vs fp32 learner: mean |dlogp| {plain['mismatch/logp_abs_mean']:.2e} "
-        f"without replay, {replay['mismatch/logp_abs_mean']:.2e} with replay ({factor:.2f}x); "
+        f"without replay, {replay['mismatch/logp_abs_mean']:.2e} with ({factor:.2f}x); at the "
+        f"{plain['mismatch/tokens_at_flips']:.0f} tokens after a flip {at_flips:.1f}x; "
         f"flip rate {plain['moe/routing_flip_rate']:.3f}"
     )
-    assert plain["moe/routing_flip_rate"] > 0  # FP8 noise flips some routing decisions
-    assert plain["mismatch/logp_abs_mean"] > 1e-4  # and is far above fp32 numerics
-    assert factor > 1.0
+    assert plain["moe/routing_flip_rate"] > 0.01  # FP8 noise flips some routing decisions
+    assert plain["mismatch/logp_abs_mean"] > 1e-3  # far above fp32 numerics (1e-6)
+    # Replay removes the flips' share of the gap; FP8 weight noise at every token remains.
+    assert factor > 1.2
+    assert at_flips > 3.0
 
 
 def test_truncation_by_hand():
