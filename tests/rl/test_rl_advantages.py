@@ -1,16 +1,24 @@
 """Group advantages, RL-ZVP and the DAPO overlong penalty on hand-built groups."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo_jax.rl import advantages as adv
+from espo_jax.rl import advantages
+
+# Jitted once each: one compile is cheaper than compiling every eager op (eager == jit is
+# checked in test_rl_properties).
+grpo = jax.jit(advantages.grpo)
+rl_zvp = jax.jit(advantages.rl_zvp, static_argnames="base")
+overlong_penalty = jax.jit(advantages.overlong_penalty, static_argnames=("max_len", "cache_len"))
+adv = advantages
 
 
 def test_grpo_by_hand():
     # [1, 0, 0, 1]: mean .5, std .5 -> +-0.5 / (0.5 + 1e-6) = +-0.999998.
     # [3, 1]: mean 2, std 1 -> +-1 / (1 + 1e-6). [1, 1, 1, 1]: zero variance -> exactly 0.
-    got = adv.grpo(jnp.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 3.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    got = grpo(jnp.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 3.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
     a, b = 0.5 / (0.5 + 1e-6), 1 / (1 + 1e-6)
     np.testing.assert_allclose(got, [[a, -a, -a, a], [b, -b, b, -b], [0, 0, 0, 0]], rtol=1e-6)
     assert np.all(np.asarray(got[2]) == 0.0)
@@ -45,7 +53,7 @@ def test_rl_zvp_by_hand():
     outcomes = jnp.array([[1, 1], [0, 0], [1, 0], [1, 1]])
     # Group 3 is all correct but its shaped rewards differ (tie broken by stage 2): GRPO.
     rewards = jnp.array([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.2, 1.0]])
-    got = adv.rl_zvp(rewards, outcomes, jnp.asarray(ent), jnp.asarray(mask), alpha)
+    got = rl_zvp(rewards, outcomes, jnp.asarray(ent), jnp.asarray(mask), alpha)
     # All correct: +alpha H = (0.05, 0.1, 0.2) and (0.02, 0.04, masked 0).
     np.testing.assert_allclose(got[0], [[0.05, 0.1, 0.2], [0.02, 0.04, 0.0]], rtol=1e-6)
     # All wrong: -alpha (max H - H), max over valid tokens: 2.0 and 0.4:
@@ -58,9 +66,7 @@ def test_rl_zvp_by_hand():
     b = 0.1 / (0.1 + 1e-6)
     np.testing.assert_allclose(got[3], [[b, b, b], [-b, -b, 0.0]], rtol=1e-5)
     # base="rloo" changes only the non-zero-variance groups: mixed [1, 0] -> +-1.
-    got_rloo = adv.rl_zvp(
-        rewards, outcomes, jnp.asarray(ent), jnp.asarray(mask), alpha, base="rloo"
-    )
+    got_rloo = rl_zvp(rewards, outcomes, jnp.asarray(ent), jnp.asarray(mask), alpha, base="rloo")
     np.testing.assert_allclose(got_rloo[2], [[1, 1, 1], [-1, -1, 0]], rtol=1e-6)
     np.testing.assert_allclose(got_rloo[:2], got[:2])
 
@@ -75,7 +81,7 @@ def test_rl_zvp_rejects_bad_shapes_and_base():
 
 def test_overlong_penalty_by_hand():
     # L_max = 20, L_cache = 4: free up to 16, then (16 - |y|) / 4, then -1 past 20.
-    got = adv.overlong_penalty(jnp.array([10, 16, 18, 20, 21]), max_len=20, cache_len=4)
+    got = overlong_penalty(jnp.array([10, 16, 18, 20, 21]), max_len=20, cache_len=4)
     np.testing.assert_allclose(got, [0.0, 0.0, -0.5, -1.0, -1.0])
     with pytest.raises(ValueError, match="cache_len"):
         adv.overlong_penalty(jnp.array([1]), max_len=4, cache_len=8)

@@ -70,9 +70,11 @@ def test_espo_one_token_per_group_is_token_ppo_with_per_token_eps(run_loss):
     cfg = _cfg("espo", espo_high_entropy_frac=0.5, espo_alpha=alpha)
     loss, met, grad = run_loss(cfg, logp, old, adv, mask, entropy=ent)
     assert met["espo/group_size_high"] == 1 and met["espo/group_size_low"] == 1
-    ref = functools.partial(_token_ppo_reference, old=old, adv=adv, mask=mask, eps=0.08 * ent)
+    ref = jax.jit(
+        functools.partial(_token_ppo_reference, old=old, adv=adv, mask=mask, eps=0.08 * ent)
+    )
     assert loss == pytest.approx(float(ref(logp)), rel=1e-5)
-    np.testing.assert_allclose(grad, jax.grad(ref)(logp), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, jax.jit(jax.grad(ref))(logp), rtol=1e-5, atol=1e-7)
     # The printed token ratio sg[s_tau] pi / pi_old squares the ratio of a one-token group.
     cfg.espo_token_ratio = "as_printed"
     loss_p, _, _ = run_loss(cfg, logp, old, adv, mask, entropy=ent)

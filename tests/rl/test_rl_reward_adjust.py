@@ -2,26 +2,31 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from espo_jax.rl import advantages, reward_adjust
 
+# Jitted once each (cheaper than compiling every eager op on a busy CPU).
+tiered = jax.jit(reward_adjust.tiered_rewards, static_argnames=("tier_gap", "score_scale", "band"))
+naive_mix = jax.jit(reward_adjust.naive_mix)
+inversion_rate = jax.jit(reward_adjust.inversion_rate)
+grpo = jax.jit(advantages.grpo)
+
 
 def test_tiered_rewards_by_hand():
     outcome = jnp.array([[1, 1, 0, 0]])
     score = jnp.array([[0.0, 1.0, -1e6, 1e6]])
-    got = reward_adjust.tiered_rewards(outcome, score)
+    got = tiered(outcome, score)
     # 1 + 0.25 tanh(0) = 1; 1 + 0.25 tanh(1) = 1.190399; 0 - 0.25; 0 + 0.25 (saturated).
     np.testing.assert_allclose(got, [[1.0, 1 + 0.25 * math.tanh(1.0), -0.25, 0.25]], rtol=1e-6)
     # tier_gap 2, score_scale 10: 2 * (1 + 0.25 tanh(0.5)) = 2.231059.
-    got = reward_adjust.tiered_rewards(
-        jnp.array([1]), jnp.array([5.0]), tier_gap=2.0, score_scale=10
-    )
+    got = tiered(jnp.array([1]), jnp.array([5.0]), tier_gap=2.0, score_scale=10)
     assert got[0] == pytest.approx(2 * (1 + 0.25 * math.tanh(0.5)), rel=1e-6)
     # Three tiers keep their order whatever the scores: worst of tier k+1 > best of tier k.
-    got = reward_adjust.tiered_rewards(jnp.array([0, 1, 2]), jnp.array([1e9, -1e9, -1e9]))
+    got = tiered(jnp.array([0, 1, 2]), jnp.array([1e9, -1e9, -1e9]))
     np.testing.assert_allclose(got, [0.25, 0.75, 1.75], rtol=1e-6)
 
 
@@ -39,17 +44,17 @@ def test_inversion_rate_by_hand():
     # (1,3): 0 >= 1.5 no -> 3 / 4.
     outcome = jnp.array([[1, 1, 0, 0]])
     score = jnp.array([[-2.0, 1.0, 3.0, 0.0]])
-    naive = reward_adjust.naive_mix(outcome, score, 0.5)
+    naive = naive_mix(outcome, score, 0.5)
     np.testing.assert_allclose(naive, [[0.0, 1.5, 1.5, 0.0]])
-    a_naive = advantages.grpo(naive)
-    assert reward_adjust.inversion_rate(outcome, a_naive) == pytest.approx(0.75)
-    tiered = reward_adjust.tiered_rewards(outcome, score)
-    assert reward_adjust.inversion_rate(outcome, advantages.grpo(tiered)) == 0.0
+    a_naive = grpo(naive)
+    assert inversion_rate(outcome, a_naive) == pytest.approx(0.75)
+    t_rewards = tiered(outcome, score)
+    assert inversion_rate(outcome, grpo(t_rewards)) == 0.0
     # A second group with no (correct, wrong) pair adds no pairs: rate stays 3/4.
     outcome2 = jnp.concatenate([outcome, jnp.ones((1, 4), int)])
     a2 = jnp.concatenate([a_naive, jnp.zeros((1, 4))])
-    assert reward_adjust.inversion_rate(outcome2, a2) == pytest.approx(0.75)
-    assert reward_adjust.inversion_rate(jnp.ones((2, 3)), jnp.zeros((2, 3))) == 0.0
+    assert inversion_rate(outcome2, a2) == pytest.approx(0.75)
+    assert inversion_rate(jnp.ones((2, 3)), jnp.zeros((2, 3))) == 0.0
 
 
 @pytest.mark.parametrize("base", ["grpo", "dr_grpo", "rloo"])
@@ -60,11 +65,11 @@ def test_adversarial_reward_model_inverts_naive_but_never_tiered(base):
     outcome = rng.integers(0, 2, (64, 8))
     outcome[:, 0], outcome[:, 1] = 1, 0  # every group mixed
     score = np.where(outcome == 1, -3.0, 3.0) + rng.normal(0, 1, outcome.shape)
-    fn = advantages.ADVANTAGES[base]
-    naive = fn(reward_adjust.naive_mix(outcome, score, 0.5))
-    tiered = fn(reward_adjust.tiered_rewards(outcome, score))
-    assert reward_adjust.inversion_rate(outcome, naive) > 0.5
-    assert reward_adjust.inversion_rate(outcome, tiered) == 0.0
+    fn = jax.jit(advantages.ADVANTAGES[base])
+    naive = fn(naive_mix(outcome, score, 0.5))
+    tiered_adv = fn(tiered(outcome, score))
+    assert inversion_rate(outcome, naive) > 0.5
+    assert inversion_rate(outcome, tiered_adv) == 0.0
 
 
 def test_judge_to_score():
@@ -81,6 +86,6 @@ def test_judge_to_score():
     # Judge scores inside the correct tier: better > tie > worse, all above the wrong answer.
     outcome = jnp.array([[1, 1, 1, 0]])
     score = reward_adjust.judge_to_score([["worse", "tie", "better", "better"]])
-    r = reward_adjust.tiered_rewards(outcome, score)
+    r = tiered(outcome, score)
     t = 0.25 * math.tanh(1.0)
     np.testing.assert_allclose(r, [[1 - t, 1.0, 1 + t, t]], rtol=1e-6)
