@@ -244,6 +244,12 @@ def _generate(config, n_steps: int, params: dict, state: DecodeState):
     return jax.lax.scan(lambda st, _: step(st), state, None, length=n_steps)
 
 
+# Module-level jits: engines with equal (hashable) configs share compiled code in memory.
+_prefill_jit = jax.jit(_prefill, static_argnums=0)
+_insert_jit = jax.jit(_insert, donate_argnums=(1,))
+_generate_jit = jax.jit(_generate, static_argnums=(0, 1), donate_argnums=(3,))
+
+
 # ---- the engine ---------------------------------------------------------------------------------
 class Engine:
     """Fixed-slot generation engine; see module doc. `params` are the learner's (float) params."""
@@ -277,12 +283,6 @@ class Engine:
         self.steps_per_sync, self.min_prefill_len = steps_per_sync, min_prefill_len
         self.params: dict | None = None
         self.last_stats: dict[str, float] = {}
-        c = self.config
-        self._prefill = jax.jit(functools.partial(_prefill, c))
-        self._insert = jax.jit(_insert, donate_argnums=(1,))
-        self._generate = jax.jit(
-            functools.partial(_generate, c, steps_per_sync), donate_argnums=(1,)
-        )
         if params is not None:
             self.load_params(params)
 
@@ -304,7 +304,7 @@ class Engine:
         p = self.prefill_len(n)
         tokens = np.zeros((1, p), np.int32)
         tokens[0, :n] = prompt_tokens
-        return self._prefill(params, jnp.asarray(tokens), jnp.int32(n))
+        return _prefill_jit(self.config, params, jnp.asarray(tokens), jnp.int32(n))
 
     def init_decode_state(self) -> DecodeState:
         c, b, s = self.config, self.max_slots, self.max_cache_len
@@ -363,11 +363,11 @@ class Engine:
             if isinstance(sampling, SlotSampling)
             else self.slot_sampling(sampling or self.sampling)
         )
-        return self._insert(prefix, decode_state, jnp.int32(slot), key, sp)
+        return _insert_jit(prefix, decode_state, jnp.int32(slot), key, sp)
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """`steps_per_sync` decode steps; tokens [steps, B] sampled (-1 where a slot was idle)."""
-        return self._generate(params, decode_state)
+        return _generate_jit(self.config, self.steps_per_sync, params, decode_state)
 
     # -- driver ------------------------------------------------------------------------------
     def _check(self, requests: Sequence[Request], n_samples: int, sampling) -> None:
