@@ -1,0 +1,120 @@
+"""FP8 (E4M3) weights: the per-channel error bound, which groups are quantised, and the
+measured logit difference and routing flips of the FP8 model against fp32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax.models import get_preset, quant, routing_flip_rate
+
+TINY = get_preset("tiny")
+
+
+def report(request, line: str) -> None:
+    """Print a measurement into the pytest output (also without -s)."""
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if capture is None or reporter is None:
+        print(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(f"\n[measured] {line}")
+
+
+@pytest.fixture(scope="module")
+def qparams(tiny_params):
+    return quant.quantize_params(tiny_params, TINY)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(4), (4, 32), 0, TINY.vocab_size)
+
+
+def test_quantize_kernel_by_hand():
+    # amax = 1.0 -> scale = 1/448. 1.0 -> 448 (E4M3 max), -0.5 -> -224 (exact: 1.75 * 2^7),
+    # 0.3 -> 134.4 lies in [128, 256) where E4M3 values are 16 apart (3 mantissa bits:
+    # 2^7 / 2^3): nearest is 128, so it dequantises to 128/448 = 0.2857.
+    q = quant.quantize_kernel(jnp.array([[1.0], [-0.5], [0.3]]))
+    np.testing.assert_allclose(q["scale"], [[1 / 448]], rtol=1e-7)
+    np.testing.assert_array_equal(q["qvalue"].astype(jnp.float32), [[448.0], [-224.0], [128.0]])
+    np.testing.assert_allclose(quant.maybe_dequant(q), [[1.0], [-0.5], [128 / 448]], rtol=1e-6)
+
+
+def test_quantize_error_within_e4m3_bound_per_channel():
+    """Bound: with scale s = amax/448 every scaled value v = w/s has |v| <= 448. E4M3 has 3
+    mantissa bits, so for normal v (|v| >= 2^-6) neighbouring values in [2^e, 2^(e+1)) are
+    2^(e-3) apart and round-to-nearest errs by at most 2^(e-4) <= 2^-4 |v|; subnormals are
+    2^-9 apart (error <= 2^-10). Unscaled: |w - deq(w)| <= 2^-4 |w| + 2^-10 s, which is
+    <= 2^-4 amax per output channel (since |w| <= amax and 2^-10 s = amax/(1024*448))."""
+    k1, k2 = jax.random.split(jax.random.key(7))
+    # channels with magnitudes spread over 8 orders, plus an all-zero channel and experts axis
+    mags = 10.0 ** jnp.linspace(-6, 2, 15)
+    w = jax.random.normal(k1, (3, 48, 16)) * jnp.concatenate([mags, jnp.zeros(1)])
+    w = w.at[1, 5, 3].set(-77.0)  # one outlier in one channel of one expert
+    q = quant.quantize_kernel(w)
+    assert q["qvalue"].dtype == jnp.float8_e4m3fn and q["scale"].shape == (3, 1, 16)
+    err = np.abs(np.asarray(quant.maybe_dequant(q)) - np.asarray(w))
+    amax = np.abs(np.asarray(w)).max(axis=1, keepdims=True)
+    assert (err <= 2.0 ** -4 * amax).all()
+    assert (err <= 2.0 ** -4 * np.abs(np.asarray(w)) + 2.0 ** -10 * np.asarray(q["scale"])
+            * (1 + 1e-6)).all()
+    np.testing.assert_array_equal(err[..., 15], 0.0)  # zero channel stays exactly zero
+
+
+def test_groups_router_and_lm_head_stay_float(tiny_params, qparams):
+    moe = qparams["layers_0"]["moe"]
+    assert not quant.is_quantized(moe["router"]["kernel"])
+    np.testing.assert_array_equal(moe["router"]["kernel"], tiny_params["layers_0"]["moe"]
+                                  ["router"]["kernel"])
+    assert not quant.is_quantized(qparams["lm_head"]["kernel"])
+    assert not quant.is_quantized(qparams["embed"]["embedding"])
+    assert moe["wi_gate"]["scale"].shape == (8, 1, 32)  # per expert, per output channel
+    q_proj = qparams["layers_0"]["attn"]["q_proj"]["kernel"]
+    assert q_proj["qvalue"].dtype == jnp.float8_e4m3fn and q_proj["scale"].shape == (1, 64)
+    assert qparams["layers_0"]["attn_norm"]["scale"].dtype == jnp.float32
+    # bytes: 4-byte floats of quantised kernels become 1 byte + scales
+    assert quant.param_bytes(qparams) < 0.4 * quant.param_bytes(tiny_params)
+    with pytest.raises(ValueError, match=r"unknown quantisation groups \['experts_x'\]; valid"):
+        quant.quantize_params(tiny_params, TINY, groups=("experts_x",))
+    all_q = quant.quantize_params(tiny_params, TINY, groups=quant.GROUPS)
+    assert quant.is_quantized(all_q["layers_1"]["moe"]["router"]["kernel"])
+    assert all_q["embed"]["embedding"]["scale"].shape == (128, 1)  # one scale per token row
+
+
+def test_fp8_forward_dequantises_on_the_fly(fwd, qparams, tokens):
+    """The quantised tree through `forward` equals its dequantised float copy."""
+    a = fwd(TINY, qparams, tokens)
+    b = fwd(TINY, quant.dequantize_params(qparams), tokens)
+    np.testing.assert_allclose(a.logits, b.logits, atol=1e-6)
+
+
+def test_fp8_vs_fp32_logits_and_routing_flips(request, fwd, tiny_params, qparams, tokens):
+    ref = fwd(TINY, tiny_params, tokens)
+    out = fwd(TINY, qparams, tokens)
+    diff = np.abs(np.asarray(out.logits - ref.logits))
+    rel_rms = np.sqrt(np.mean(diff ** 2) / np.mean(np.asarray(ref.logits) ** 2))
+    flips = np.asarray(routing_flip_rate(out.routed_experts, ref.routed_experts))
+    report(request, f"FP8 vs fp32 (tiny, 4x32 tokens): max |dlogit| {diff.max():.4g}, "
+                    f"mean {diff.mean():.4g}, relative RMS {rel_rms:.4g}; routing flip rate "
+                    f"per MoE layer {[f'{x:.4f}' for x in flips]}")
+    assert diff.max() > 0  # FP8 really changes the model
+    # Envelope: each quantised matmul perturbs its output by at most ~2^-4 relative; about
+    # 2 layers x 5 quantised matmuls on the path add up (first order) to < 10 * 2^-4 = 0.625.
+    assert rel_rms < 0.625
+    assert ((flips >= 0) & (flips <= 1)).all()
+    # Router replay of the fp32 routing removes the flips (R3 for FP8 rollouts)
+    replayed = fwd(TINY, qparams, tokens, routed_experts_BxTxMxk=ref.routed_experts)
+    np.testing.assert_array_equal(routing_flip_rate(replayed.routed_experts, ref.routed_experts),
+                                  [0.0, 0.0])
+
+
+def test_routing_flip_rate_by_hand():
+    # token 0: {0,1} vs {1,0} same set; token 1: {2,3} vs {2,4} flip; token 2: same. Layer 1
+    # all flip. Mask drops token 2 in the second call: layer 0 -> 1/2.
+    a = jnp.array([[[0, 1], [5, 6]], [[2, 3], [5, 6]], [[4, 5], [5, 6]]])
+    b = jnp.array([[[1, 0], [0, 1]], [[2, 4], [0, 1]], [[4, 5], [0, 1]]])
+    np.testing.assert_allclose(routing_flip_rate(a, b), [1 / 3, 1.0])
+    np.testing.assert_allclose(routing_flip_rate(a, b, jnp.array([True, True, False])),
+                               [0.5, 1.0])
