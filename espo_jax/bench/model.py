@@ -15,12 +15,15 @@ For each preset (`tiny`, `small`), in one process:
   `AutoModelForCausalLM` (its default attention and experts implementations), trained with
   `torch.optim.AdamW` on the same tokens with loss = cross-entropy + router_aux_loss_coef * aux.
   The step-0 losses of both are reported: they agree, which shows it is the same model.
+- Steps are timed alternately (JAX, torch, JAX, ...) and the medians taken, so that load from
+  other processes on a shared machine hits both sides alike.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -79,26 +82,25 @@ def jax_train_step(config: ModelConfig, opt: optax.GradientTransformation, param
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def _bench_jax(config: ModelConfig, params: dict, tokens: np.ndarray, repeats: int) -> dict:
+def _jax_stepper(config: ModelConfig, params: dict, tokens: np.ndarray) -> tuple[Any, dict]:
+    """A blocking `step()` of the jitted JAX train step, and facts of its first (compiling) call."""
     opt = optax.adamw(LEARNING_RATE)
     step = jax.jit(functools.partial(jax_train_step, config, opt), donate_argnums=(0, 1))
     state = {"params": jax.tree.map(jnp.array, params)}
     state["opt"] = opt.init(state["params"])
     tokens = jnp.asarray(tokens)
-    start = time.perf_counter()
-    state["params"], state["opt"], loss0 = step(state["params"], state["opt"], tokens)
-    loss0 = float(loss0)
-    compile_s = time.perf_counter() - start
 
-    def run() -> None:
+    def run() -> float:
         state["params"], state["opt"], loss = step(state["params"], state["opt"], tokens)
-        loss.block_until_ready()
+        return float(loss)  # blocks until the step is done
 
-    # The first (compiling) step above is the warm-up.
-    return {"step_s": median_time(run, repeats, warmup=0), "loss0": loss0, "compile_s": compile_s}
+    start = time.perf_counter()
+    loss0 = run()
+    return run, {"loss0": loss0, "compile_s": time.perf_counter() - start}
 
 
-def _bench_torch(config: ModelConfig, params: dict, tokens: np.ndarray, repeats: int) -> dict:
+def _torch_stepper(config: ModelConfig, params: dict, tokens: np.ndarray) -> tuple[Any, dict]:
+    """The same for transformers + torch, on the weights exported with `hf_io.save_pretrained`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -109,23 +111,34 @@ def _bench_torch(config: ModelConfig, params: dict, tokens: np.ndarray, repeats:
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
 
-    def step() -> float:
+    def run() -> float:
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, labels=tokens, output_router_logits=True).loss
         loss.backward()
         opt.step()
         return float(loss.detach())
 
-    loss0 = step()  # also the warm-up
-    return {"step_s": median_time(step, repeats, warmup=0), "loss0": loss0,
-            "attn_impl": model.config._attn_implementation,
-            "experts_impl": model.config._experts_implementation,
-            "torch_threads": torch.get_num_threads()}
+    loss0 = run()  # also the warm-up
+    return run, {"loss0": loss0, "attn_impl": model.config._attn_implementation,
+                 "experts_impl": model.config._experts_implementation,
+                 "torch_threads": torch.get_num_threads()}
+
+
+def interleaved_medians(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median seconds of each fn, timed in alternation (a, b, a, b, ...) so that both see the
+    same machine load; on a shared CPU this keeps the ratio steadier than two separate runs."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run(quick: bool) -> dict:
     batch, seq = (4, 64) if quick else (8, 256)
-    repeats = 2 if quick else 5
+    repeats = 3 if quick else 9
     peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
     tokens = np.random.default_rng(0).integers(0, 128, (batch, seq), dtype=np.int32)
     rows, figures = [], {"batch": batch, "seq_len": seq, "repeats": repeats,
@@ -135,8 +148,10 @@ def run(quick: bool) -> dict:
         if config.vocab_size < 128:
             raise ValueError(f"preset {name} has vocab {config.vocab_size} < 128 used here")
         params = jax.tree.map(np.asarray, init_params(config, jax.random.key(0)))
-        jx = _bench_jax(config, params, tokens, repeats)
-        th = _bench_torch(config, params, tokens, repeats)
+        jax_step, jx = _jax_stepper(config, params, tokens)
+        torch_step, th = _torch_stepper(config, params, tokens)
+        secs = interleaved_medians({"jax": jax_step, "torch": torch_step}, repeats)
+        jx["step_s"], th["step_s"] = secs["jax"], secs["torch"]
         flops_tok = train_flops_per_token(config, seq)
         n_tok = batch * seq
         fig = {
