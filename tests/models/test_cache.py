@@ -1,0 +1,111 @@
+"""KV cache: prefill + one-token decode steps (each row at its own position, as continuous
+batching runs it) give the teacher-forced forward's logits and routing; slots are reusable."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax.models import forward, get_preset, init_cache
+
+TINY = get_preset("tiny")
+S = 24  # cache slots
+LENS = (14, 10)  # full lengths of the two rows
+PROMPTS = (6, 3)  # prompt lengths: the rows decode at different positions
+
+
+@pytest.fixture(scope="module")
+def step():
+    """One jitted function for prefill ([2, 6]) and decode ([2, 1]) calls."""
+    return jax.jit(functools.partial(forward, TINY))
+
+
+@pytest.fixture(scope="module")
+def seqs():
+    return jax.random.randint(jax.random.key(9), (2, 14), 0, TINY.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def reference(fwd, tiny_params, seqs):
+    mask = jnp.arange(14)[None] < jnp.array(LENS)[:, None]
+    return fwd(TINY, tiny_params, seqs, attention_mask_BxT=mask)
+
+
+@pytest.fixture(scope="module")
+def decoded(step, tiny_params, seqs):
+    """Prefill the prompts (row 1 right-padded), then decode token by token; returns the
+    logits and experts per (row, position) and the final cache and mask."""
+    cache = init_cache(TINY, 2, S)
+    cache_mask = np.zeros((2, S), bool)
+    prompt_mask = np.arange(6)[None] < np.array(PROMPTS)[:, None]
+    out = step(tiny_params, seqs[:, :6], attention_mask_BxT=prompt_mask, cache=cache,
+               cache_mask_BxS=cache_mask)
+    logits = {(b, t): out.logits[b, t] for b in range(2) for t in range(PROMPTS[b])}
+    experts = {(b, t): out.routed_experts[b, t] for b in range(2) for t in range(PROMPTS[b])}
+    cache = out.cache
+    cache_mask[0, :6], cache_mask[1, :3] = True, True
+    pos = np.array(PROMPTS)
+    while (pos < np.array(LENS)).any():
+        active = pos < np.array(LENS)
+        p = np.minimum(pos, 13)
+        out = step(tiny_params, seqs[np.arange(2), p][:, None], positions_BxT=p[:, None],
+                   attention_mask_BxT=active[:, None], cache=cache, cache_mask_BxS=cache_mask)
+        cache = out.cache
+        for b in np.flatnonzero(active):
+            logits[(b, p[b])] = out.logits[b, 0]
+            experts[(b, p[b])] = out.routed_experts[b, 0]
+            cache_mask[b, p[b]] = True
+        pos = pos + active
+    return logits, experts, cache, cache_mask
+
+
+def test_init_cache_layout():
+    cache = init_cache(TINY, 3, 16, jnp.bfloat16)
+    assert set(cache) == {"layers_0", "layers_1"}
+    assert cache["layers_1"]["k"].shape == (3, 16, 2, 16)  # [B, S, K, A]
+    assert cache["layers_1"]["v"].dtype == jnp.bfloat16
+
+
+def test_cached_decode_equals_full_forward(decoded, reference, step):
+    logits, experts, _, _ = decoded
+    assert len(logits) == sum(LENS)
+    for (b, t), row in logits.items():
+        np.testing.assert_allclose(row, reference.logits[b, t], atol=1e-5, err_msg=f"{b},{t}")
+        np.testing.assert_array_equal(experts[(b, t)], reference.routed_experts[b, t])
+    # static shapes: one compilation for the prefill and one for all decode steps
+    assert step._cache_size() == 2
+
+
+def test_padding_tokens_are_not_written(decoded):
+    _, _, cache, cache_mask = decoded
+    # row 1 holds 10 tokens; slots 10.. were never written (still zero)
+    np.testing.assert_array_equal(np.asarray(cache["layers_0"]["k"][1, 10:]), 0.0)
+    np.testing.assert_array_equal(cache_mask.sum(1), LENS)
+
+
+def test_slot_reuse_for_a_new_sequence(step, decoded, tiny_params, fwd):
+    """Continuous batching: row 1 starts a new sequence (mask reset) while row 0 sits idle
+    (attention_mask False: nothing of row 0 is written)."""
+    _, _, cache, cache_mask = decoded
+    cache_mask = cache_mask.copy()
+    cache_mask[1] = False
+    new = jax.random.randint(jax.random.key(10), (1, 6), 0, TINY.vocab_size)
+    tokens = jnp.concatenate([jnp.zeros((1, 6), jnp.int32), new])
+    active = np.array([[False] * 6, [True] * 6])
+    out = step(tiny_params, tokens, attention_mask_BxT=active, cache=cache,
+               cache_mask_BxS=cache_mask)
+    fresh = fwd(TINY, tiny_params, new)
+    np.testing.assert_allclose(out.logits[1], fresh.logits[0], atol=1e-5)
+    for i in range(TINY.n_layers):
+        np.testing.assert_array_equal(out.cache[f"layers_{i}"]["k"][0],
+                                      cache[f"layers_{i}"]["k"][0])
+
+
+def test_cache_needs_a_mask(tiny_params, seqs):
+    with pytest.raises(ValueError, match="needs cache_mask_BxS"):
+        forward(TINY, tiny_params, seqs[:, :1], cache=init_cache(TINY, 2, S))
+    with pytest.raises(ValueError, match=r"cache_mask_BxS has shape \(2, 5\), expected \(2, 24\)"):
+        forward(TINY, tiny_params, seqs[:, :1], cache=init_cache(TINY, 2, S),
+                cache_mask_BxS=np.zeros((2, 5), bool))
