@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -283,8 +284,17 @@ class Engine:
         self.steps_per_sync, self.min_prefill_len = steps_per_sync, min_prefill_len
         self.params: dict | None = None
         self.last_stats: dict[str, float] = {}
+        self._stop = threading.Event()
         if params is not None:
             self.load_params(params)
+
+    def request_stop(self) -> None:
+        """Makes `generate_groups` (now or later) return at its next sync with only the groups
+        already complete (safe from a signal handler or another thread); see `clear_stop`."""
+        self._stop.set()
+
+    def clear_stop(self) -> None:
+        self._stop.clear()
 
     @property
     def sampler_name(self) -> str:
@@ -418,6 +428,7 @@ class Engine:
         admission: str = "fifo",
         predictor: scheduling.LengthPredictor | None = None,
         on_group: Callable[[GenerationGroup], None] | None = None,
+        stop: Callable[[], bool] | None = None,
         sampling: SamplingConfig | None = None,
     ) -> list[GenerationGroup]:
         """Samples every request's responses with continuous batching; groups in request order.
@@ -425,7 +436,10 @@ class Engine:
         admission: "fifo" or "longest_first" (by `predictor.predict(prompt_id)`). `on_group` is
         called with each group as soon as its last sample finishes (completion order), e.g. to
         start scoring it while decoding goes on. `sampling` overrides the engine's for this call
-        (no recompilation). Figures of the run go to `self.last_stats`.
+        (no recompilation). `stop` is polled at every sync: when it returns True the samples in
+        flight are abandoned and only the groups already complete are returned (in request
+        order; `last_stats["engine/abandoned_samples"]` counts the rest). Figures of the run go
+        to `self.last_stats`.
         """
         params = self.params if params is None else params
         if params is None:
@@ -457,7 +471,11 @@ class Engine:
         pending: dict[int, dict[int, Generation]] = {}
         groups: dict[int, GenerationGroup] = {}
         syncs = generated = 0
+        stopped = False
         while queue or any(o is not None for o in owner):
+            if self._stop.is_set() or (stop is not None and stop()):
+                stopped = True
+                break
             for slot in range(self.max_slots):
                 if owner[slot] is None and queue:
                     i, g = queue.pop()
@@ -499,5 +517,10 @@ class Engine:
             "engine/tokens_per_s": generated / wall if wall > 0 else 0.0,
             "engine/decode_steps": float(syncs * self.steps_per_sync),
             "engine/idle_slot_frac": 1.0 - busy / slot_steps if slot_steps else 0.0,
+            "engine/abandoned_samples": float(
+                sum(o is not None for o in owner) + len(queue) + sum(map(len, pending.values()))
+            )
+            if stopped
+            else 0.0,
         }
-        return [groups[i] for i in range(len(requests))]
+        return [groups[i] for i in range(len(requests)) if i in groups]

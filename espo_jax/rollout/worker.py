@@ -1,0 +1,358 @@
+"""The rollout worker: published weights + prompts -> scored groups in the rollout buffer.
+
+Loop: wait for the first published weights version (`espo_jax.rollout.weights`), then per
+batch: take `prompts_per_batch` prompts from the prompt iterator, load a newer weights version if
+one appeared, generate `n_samples` responses per prompt with the embedded engine while the reward
+pool scores finished groups (`espo_jax.rollout.generate.generate_scored_groups`), write the
+groups to the buffer in prompt order and flush (the shard becomes visible). The predicted
+response lengths (for longest-first admission) learn from every finished group.
+
+Stopping: SIGTERM / SIGINT (or `request_stop()`) make the engine return at its next sync with
+only the groups already complete; those are scored, written and flushed, the samples in flight
+are dropped (no partial group is ever written) and `run` returns. The same code runs in-process
+(the single-process loop can drive a `RolloutWorker`) or as its own process:
+
+    python -m espo_jax.rollout.worker --publish_dir W --buffer_dir B --prompts prompts.jsonl
+
+(`python -m espo_jax.main --mode=rollout` builds the same worker from an experiment config).
+A prompt is a dict {prompt_id, tokens, answer, ...}; the JSONL file may give `text` instead of
+`tokens` (encoded with `--tokenizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+
+from espo_jax.rewards.pool import RewardPool
+from espo_jax.rollout import scheduling, weights
+from espo_jax.rollout.buffer import BufferWriter
+from espo_jax.rollout.engine import Engine
+from espo_jax.rollout.generate import generate_scored_groups
+from espo_jax.rollout.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a rollout worker needs besides its prompts and reward function."""
+
+    publish_dir: str
+    buffer_dir: str
+    writer_id: str = "rollout-0"  # unique among live writers of buffer_dir
+    n_samples: int = 4  # G responses per prompt
+    prompts_per_batch: int = 8
+    sampling: SamplingConfig = SamplingConfig()
+    precision: str = "fp32"  # engine weights: fp32, bf16 or fp8
+    max_slots: int = 8
+    max_cache_len: int = 256
+    steps_per_sync: int = 4
+    admission: str = "longest_first"  # or "fifo"
+    reward_workers: int = 2
+    reward_timeout_s: float = 10.0
+    reward_backend: str = "process"
+    seed: int = 0  # batch b samples with fold_in(key(seed), b)
+    max_batches: int | None = None  # None: until the prompts run out or a stop
+    weights_timeout_s: float = 600.0  # how long to wait for the first published version
+    poll_s: float = 0.5
+    max_records_per_shard: int = 64
+
+
+class RolloutWorker:
+    """See module doc. `reward_fn(text, answer)` and `detokenize(ids)` must be importable by
+    name (module-level) for the default process reward pool."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        prompts: Iterable[Mapping[str, Any]],
+        reward_fn: Callable[[str, Any], Any],
+        *,
+        detokenize: Callable | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.config = config
+        self._prompts = iter(prompts)
+        self.reward_fn, self.detokenize, self.log = reward_fn, detokenize, log
+        self.engine: Engine | None = None
+        self.model_config = None  # of the loaded weights
+        self.n_experts: int | None = None
+        self.version: int | None = None
+        self.predictor = scheduling.LengthPredictor(prior_length=config.sampling.max_new_tokens)
+        self._stop = threading.Event()
+        self.stats = {
+            "worker/batches": 0,
+            "worker/groups_written": 0,
+            "worker/weight_loads": 0,
+            "worker/abandoned_samples": 0,
+        }
+
+    # -- control ---------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Finish cleanly: complete groups are written, samples in flight dropped."""
+        self._stop.set()
+        if self.engine is not None:
+            self.engine.request_stop()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT call `request_stop` (main thread only)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.request_stop())
+
+    # -- weights ---------------------------------------------------------------------------
+    def _wait_for_weights(self) -> None:
+        deadline = time.monotonic() + self.config.weights_timeout_s
+        while weights.latest(self.config.publish_dir) is None:
+            if self._stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no weights published in {self.config.publish_dir} after "
+                    f"{self.config.weights_timeout_s} s"
+                )
+            time.sleep(self.config.poll_s)
+        self._maybe_reload()
+
+    def _maybe_reload(self) -> None:
+        """Loads the newest published version if it is newer than ours."""
+        for _ in range(3):  # the publisher's retention may delete a version as we read it
+            found = weights.latest(self.config.publish_dir)
+            if found is None or (self.version is not None and found[0] <= self.version):
+                return
+            try:
+                model_config, params = weights.load(found[1])
+            except FileNotFoundError:
+                continue
+            c = self.config
+            if model_config != self.model_config:  # first load, or a new architecture
+                self.model_config = model_config
+                self.engine = Engine(
+                    model_config,
+                    sampling=c.sampling,
+                    max_slots=c.max_slots,
+                    max_cache_len=c.max_cache_len,
+                    precision=c.precision,
+                    steps_per_sync=c.steps_per_sync,
+                )
+                if self._stop.is_set():
+                    self.engine.request_stop()
+            self.engine.load_params(params)
+            self.n_experts = model_config.n_experts if model_config.n_moe_layers else None
+            self.version = found[0]
+            self.stats["worker/weight_loads"] += 1
+            self.log(f"loaded weights version {found[0]} ({self.engine.sampler_name})")
+            return
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        """Runs until the prompts run out, `max_batches`, or a stop; returns the counters."""
+        c = self.config
+        self._wait_for_weights()
+        writer = BufferWriter(
+            c.buffer_dir, c.writer_id, max_records_per_shard=c.max_records_per_shard
+        )
+        pool = RewardPool(
+            self.reward_fn,
+            num_workers=c.reward_workers,
+            timeout_s=c.reward_timeout_s,
+            backend=c.reward_backend,
+            detokenize=self.detokenize,
+        )
+        try:
+            for b in itertools.count():
+                if self._stop.is_set() or (c.max_batches is not None and b >= c.max_batches):
+                    break
+                batch = list(itertools.islice(self._prompts, c.prompts_per_batch))
+                if not batch:
+                    break
+                self._maybe_reload()
+                self._run_batch(b, batch, pool, writer)
+        finally:
+            writer.close()
+            pool.close(wait_pending=False)
+        stats = {k: float(v) for k, v in self.stats.items()}
+        stats.update(pool.metrics())
+        stats["worker/policy_version"] = float(self.version if self.version is not None else -1)
+        self.log(f"rollout worker done: {stats}")
+        return stats
+
+    def _run_batch(
+        self, b: int, batch: list[Mapping], pool: RewardPool, writer: BufferWriter
+    ) -> None:
+        c = self.config
+        self.log(
+            f"batch {b}: generating {len(batch)} prompts x {c.n_samples} (weights v{self.version})"
+        )
+        groups = generate_scored_groups(
+            self.engine,
+            pool,
+            [(p, c.n_samples) for p in batch],
+            rng=jax.random.fold_in(jax.random.key(c.seed), b),
+            policy_version=self.version,
+            n_experts=self.n_experts,
+            admission=c.admission,
+            predictor=self.predictor,
+        )
+        for g in groups:
+            writer.write(g)
+            self.predictor.observe(g.prompt_id, [r.length for r in g.responses])
+        writer.flush()
+        self.stats["worker/batches"] += 1
+        self.stats["worker/groups_written"] += len(groups)
+        abandoned = int(self.engine.last_stats.get("engine/abandoned_samples", 0))
+        self.stats["worker/abandoned_samples"] += abandoned
+        if len(groups) < len(batch):
+            self.log(
+                f"batch {b}: stopped; wrote {len(groups)} of {len(batch)} groups, "
+                f"dropped {abandoned} samples in flight"
+            )
+        else:
+            self.log(
+                f"batch {b}: wrote {len(groups)} groups "
+                f"({self.engine.last_stats['engine/tokens_per_s']:.0f} tok/s)"
+            )
+
+
+# ---- entry points ---------------------------------------------------------------------------
+def _load_jsonl_prompts(path: str, tokenizer) -> list[dict]:
+    import json
+
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            p = json.loads(line)
+            missing = [k for k in ("prompt_id", "answer") if k not in p]
+            if missing or ("tokens" not in p and "text" not in p):
+                raise ValueError(
+                    f"{path}:{n}: a prompt needs prompt_id, answer and tokens or "
+                    f"text; missing {missing or ['tokens/text']}"
+                )
+            if "tokens" not in p:
+                p["tokens"] = tokenizer.encode(p["text"], add_bos=True)
+            out.append(p)
+    return out
+
+
+def _import_function(spec: str) -> Callable:
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"--reward must be module:function, got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from espo_jax.models.tokenizer import CharTokenizer, load_tokenizer
+
+    ap = argparse.ArgumentParser(
+        prog="python -m espo_jax.rollout.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--publish_dir", required=True, help="published weights (weights.publish)")
+    ap.add_argument("--buffer_dir", required=True, help="rollout buffer directory")
+    ap.add_argument("--prompts", required=True, help="JSONL: prompt_id, tokens|text, answer")
+    ap.add_argument("--tokenizer", default="char", help='"char" or a tokenizer.json path')
+    ap.add_argument(
+        "--reward",
+        default="espo_jax.rewards.verifiers:verify_arith",
+        help="module:function(text, answer) -> bool | float | dict",
+    )
+    ap.add_argument("--epochs", type=int, default=1, help="passes over the prompts; 0: forever")
+    d = WorkerConfig("", "")
+    for f in dataclasses.fields(WorkerConfig):
+        if f.name in ("publish_dir", "buffer_dir", "sampling"):
+            continue
+        default = getattr(d, f.name)
+        kind = type(default) if default is not None else int
+        ap.add_argument(f"--{f.name}", type=kind, default=default)
+    s = SamplingConfig()
+    ap.add_argument("--temperature", type=float, default=s.temperature)
+    ap.add_argument("--top_k", type=int, default=s.top_k)
+    ap.add_argument("--top_p", type=float, default=s.top_p)
+    ap.add_argument("--max_new_tokens", type=int, default=s.max_new_tokens)
+    args = vars(ap.parse_args(argv))
+    tokenizer = load_tokenizer(args.pop("tokenizer"))
+    prompts = _load_jsonl_prompts(args.pop("prompts"), tokenizer)
+    reward_fn = _import_function(args.pop("reward"))
+    epochs = args.pop("epochs")
+    sampling = SamplingConfig(
+        args.pop("temperature"),
+        args.pop("top_k"),
+        args.pop("top_p"),
+        args.pop("max_new_tokens"),
+        (tokenizer.eos_id,),
+    )
+    config = WorkerConfig(**args, sampling=sampling)
+    stream = itertools.chain.from_iterable(
+        itertools.repeat(prompts) if epochs == 0 else itertools.repeat(prompts, epochs)
+    )
+    # A model's vocabulary may exceed the character set (the tiny preset has 128 ids for 99
+    # characters): unknown ids decode as U+FFFD instead of failing the reward.
+    decode = tokenizer.decode
+    if isinstance(tokenizer, CharTokenizer):
+        decode = functools.partial(tokenizer.decode, errors="replace")
+    worker = RolloutWorker(
+        config, stream, reward_fn, detokenize=decode, log=lambda m: print(m, flush=True)
+    )
+    worker.install_signal_handlers()
+    worker.run()
+    return 0
+
+
+def main_from_config(config, workdir: str) -> int:
+    """`python -m espo_jax.main --mode=rollout`: a worker built from an experiment config.
+
+    Weights from WORKDIR/weights (where the learner publishes), groups to the configured buffer
+    (default WORKDIR/buffer), prompts cycling over the training set, the task's verifier.
+    """
+    import os
+
+    from espo_jax.train import setup as setup_lib
+
+    setup = setup_lib.build(config, workdir)
+    r = config.rollout
+    sampling = SamplingConfig(
+        r.temperature, r.top_k, r.top_p, r.max_new_tokens, (setup.tokenizer.eos_id,)
+    )
+    wc = WorkerConfig(
+        publish_dir=os.path.join(workdir, "weights"),
+        buffer_dir=config.buffer.dir or os.path.join(workdir, "buffer"),
+        writer_id=f"rollout-{os.getpid()}",
+        n_samples=config.zve.n_samples,
+        prompts_per_batch=r.prompts_per_step,
+        sampling=sampling,
+        precision=r.precision,
+        max_slots=r.num_slots,
+        max_cache_len=r.max_prompt_len + r.max_new_tokens,
+        reward_workers=r.reward_workers,
+        reward_timeout_s=r.reward_timeout_s,
+        seed=config.seed,
+    )
+    reward = (
+        setup_lib.arith_reward if config.data.name == "arith_chains" else (setup_lib.math_reward)
+    )
+    decode = setup_lib.char_decode if config.tokenizer == "char" else setup.tokenizer.decode
+    prompts = itertools.chain.from_iterable(itertools.repeat(setup.train_prompts))
+    worker = RolloutWorker(wc, prompts, reward, detokenize=decode)
+    worker.install_signal_handlers()
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
