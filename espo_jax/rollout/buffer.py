@@ -82,7 +82,9 @@ class BufferWriter:
     `max_records_per_shard` records or `max_bytes_per_shard` bytes, when the oldest group in it
     is `max_seconds_per_shard` old at the next `write`, and on `flush()` / `close()`.
     `writer_id` must be unique among live writers of a directory: a new writer deletes the tmp
-    files of its id, taking their writer for dead.
+    files of its id, taking their writer for dead, and any tmp file older than
+    `stale_tmp_age_s`. `compression`: ArrayRecord chunk compression, "uncompressed" (default),
+    "snappy", "zstd:N" or "brotli:N".
     """
 
     def __init__(

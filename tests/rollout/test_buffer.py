@@ -50,6 +50,28 @@ def test_write_read_order_cursor_and_determinism(tmp_path):
     assert ids(read_all(BufferReader(tmp_path))) == ids(first + rest)  # same order again
 
 
+def test_shard_limits(tmp_path):
+    by_bytes = BufferWriter(tmp_path, "b", max_bytes_per_shard=1)  # every group overflows it
+    by_age = BufferWriter(tmp_path, "t", max_seconds_per_shard=0.0)  # every group is too old
+    for k in range(2):
+        by_bytes.write(make_group(0, k))
+        by_age.write(make_group(1, k))
+    assert [s.count for s in list_shards(tmp_path)] == [1, 1, 1, 1]
+    assert by_bytes.flush() is None  # nothing pending
+    by_bytes.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        by_bytes.write(make_group(0, 2))
+
+
+def test_missing_shards_reported_not_waited_for(tmp_path):
+    write_groups(tmp_path, "w", tag=0, n=9, per_shard=3)
+    (tmp_path / list_shards(tmp_path)[1].name).unlink()  # e.g. another reader's retention
+    reader = BufferReader(tmp_path)
+    assert ids(read_all(reader)) == [[0, k] for k in (0, 1, 2, 6, 7, 8)]
+    assert reader.stats["missing_shards"] == 1
+    assert reader.errors[0]["reason"] == "missing"
+
+
 def test_compressed_shards_read_the_same(tmp_path):
     with BufferWriter(tmp_path, "z", max_records_per_shard=2, compression="zstd:3") as w:
         for k in range(3):
