@@ -41,12 +41,23 @@ class CharTokenizer:
             raise ValueError(msg) from None
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
 
-    def decode(self, ids: Sequence[int], *, stop_at_eos: bool = True) -> str:
-        """Text of `ids`; special ids are dropped, and decoding stops at eos if `stop_at_eos`."""
+    def decode(self, ids: Sequence[int], *, stop_at_eos: bool = True,
+               errors: str = "strict") -> str:
+        """Text of `ids`; special ids are dropped, and decoding stops at eos if `stop_at_eos`.
+
+        An id outside the vocabulary raises with `errors="strict"`; with `errors="replace"` it
+        becomes U+FFFD (a model whose embedding table is larger than the vocabulary, as the
+        presets' 128 rows for 99 symbols, can sample such ids: they make an answer wrong, not
+        a crash)."""
+        if errors not in ("strict", "replace"):
+            raise ValueError(f"errors must be 'strict' or 'replace', got {errors!r}")
         out = []
         for i in ids:
             i = int(i)
             if not 0 <= i < self.vocab_size:
+                if errors == "replace":
+                    out.append("\ufffd")
+                    continue
                 raise ValueError(f"CharTokenizer: id {i} is outside [0, {self.vocab_size})")
             if i == self.eos_id and stop_at_eos:
                 break

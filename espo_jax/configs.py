@@ -1,0 +1,240 @@
+"""The one place that sets every default of a run (flax `configs/default.py` style).
+
+Experiments (`experiments/<name>.py`) start from `default_config()` and change what differs.
+`validate(config)` checks names, choices and divisibility before anything is compiled, with a
+message naming the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from espo_jax.models.config import DISPATCHES, PRESETS
+
+REPLAY_MODES = ("r3", "r2", "off")
+LOOPS = ("sync", "async")
+ENGINES = ("jax", "vllm")
+PRECISIONS = ("fp32", "bf16", "fp8")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+MODES = ("train", "rollout")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    from espo_jax.data.zve_config import default_zve_config
+    from espo_jax.rl.losses import default_loss_config
+
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # every RNG of the run derives from this
+    c.mode = "train"  # "train": learner (+ engine in the sync loop); "rollout": a worker
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "small"  # one of espo_jax.models.config.PRESETS
+    c.model.dispatch = "dropless"  # MoE dispatch, one of DISPATCHES
+    c.model.hf_path = ""  # if set, initial weights and config from a Hugging Face directory
+
+    c.tokenizer = "char"  # "char" or a path to a Hugging Face tokenizer.json
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "arith_chains"  # TFDS builder: "arith_chains" or "math_jsonl"
+    c.data.data_dir = ""  # "" -> WORKDIR/data
+    c.data.train_levels = (1, 2, 3, 4, 5)  # difficulty levels RL trains on
+    c.data.eval_levels = (1, 2, 3, 4, 5)  # held-out evaluation levels
+    c.data.train_per_level = 2000  # arith_chains problems per level in the train split
+    c.data.test_per_level = 200  # arith_chains problems per level in the test split
+    c.data.jsonl_train = ""  # math_jsonl: path of the training JSONL
+    c.data.jsonl_test = ""  # math_jsonl: path of the test JSONL
+
+    c.warmstart = ml_collections.ConfigDict()
+    c.warmstart.steps = 0  # supervised steps on worked solutions (0: no warm start)
+    c.warmstart.levels = (1, 2)  # levels the warm start sees
+    c.warmstart.batch_size = 64
+    c.warmstart.lr = 3e-3
+    c.warmstart.eval_every = 200  # steps between accuracy checks on the warm-start levels
+    c.warmstart.target_accuracy = 0.9  # stop early once greedy accuracy on its levels reaches this
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.engine = "jax"  # "jax" (embedded) or "vllm" (GPU workers)
+    c.rollout.precision = "fp8"  # engine weights: fp32, bf16 or fp8 (E4M3, per-channel scales)
+    c.rollout.prompts_per_step = 16  # N prompts per rollout batch
+    c.rollout.max_prompt_len = 32  # tokens; longer prompts are rejected
+    c.rollout.max_new_tokens = 48
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.top_k = 0  # 0: no top-k truncation
+    c.rollout.num_slots = 64  # decode slots of the continuous-batching engine
+    c.rollout.reward_workers = 2  # reward pool workers (overlapped with decoding)
+    c.rollout.reward_timeout_s = 5.0
+
+    c.advantage = ml_collections.ConfigDict()
+    c.advantage.name = "grpo"  # grpo, dr_grpo or rloo
+
+    c.loss = default_loss_config()
+    c.zve = default_zve_config()
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-3
+    c.optim.warmup_steps = 10
+    c.optim.final_lr_frac = 0.1
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.99
+    c.optim.eps = 1e-8
+    c.optim.weight_decay = 0.0
+    c.optim.grad_clip_norm = 1.0
+
+    c.train = ml_collections.ConfigDict()
+    c.train.loop = "sync"  # sync (one process, on-policy) or async (learner + worker processes)
+    c.train.steps = 50  # rollout batches (RL steps)
+    c.train.updates_per_batch = 1  # minibatch updates per rollout batch
+    c.train.micro_batches = 1  # gradient accumulation inside one update
+    c.train.replay = "r3"  # router replay: r3 (recorded), r2 (learner's old routing), off
+    c.train.logprob_chunk = 64  # sequence chunk for log-prob / entropy computation
+    c.train.max_staleness = 1  # async: drop groups older than this many policy versions
+    c.train.num_workers = 2  # async: rollout worker processes
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1  # mesh axis sizes; their product must equal the device count
+    c.mesh.fsdp = 1
+    c.mesh.expert = 1
+    c.mesh.tensor = 1
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 10  # RL steps between checkpoints
+    c.checkpoint.keep = 2
+    c.checkpoint.init_from = ""  # a checkpoint directory to start from when WORKDIR has none
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 25  # RL steps between held-out evaluations (0: only at start and end)
+    c.eval.num_prompts = 256  # held-out prompts (greedy accuracy)
+    c.eval.pass_k = 4  # pass@k with sampling at temperature 1 (0: skip)
+
+    c.buffer = ml_collections.ConfigDict()
+    c.buffer.dir = ""  # "" -> WORKDIR/buffer
+    c.buffer.keep_consumed = False  # keep shards the learner has consumed
+
+    c.log_every = 1
+    return c
+
+
+def _choice(errors: list[str], config, key: str, allowed) -> None:
+    value = config
+    for part in key.split("."):
+        value = value[part]
+    if value not in allowed:
+        errors.append(f"config.{key}={value!r} is not one of {tuple(allowed)}")
+
+
+def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
+    """Raises ValueError listing every problem, each naming its key and the allowed values."""
+    from espo_jax.data.zve_config import validate_zve_config
+    from espo_jax.rl.losses import validate_loss_config
+
+    errors: list[str] = []
+    _choice(errors, config, "mode", MODES)
+    _choice(errors, config, "model.preset", PRESETS)
+    _choice(errors, config, "model.dispatch", DISPATCHES)
+    _choice(errors, config, "data.name", ("arith_chains", "math_jsonl"))
+    _choice(errors, config, "rollout.engine", ENGINES)
+    _choice(errors, config, "rollout.precision", PRECISIONS)
+    _choice(errors, config, "advantage.name", ADVANTAGES)
+    _choice(errors, config, "train.loop", LOOPS)
+    _choice(errors, config, "train.replay", REPLAY_MODES)
+    for key in (
+        "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
+        "rollout.num_slots", "train.steps", "train.updates_per_batch", "train.micro_batches",
+        "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
+    ):
+        section, name = key.split(".")
+        if int(config[section][name]) < 1:
+            errors.append(f"config.{key} must be >= 1, got {config[section][name]}")
+    if config.rollout.temperature <= 0:
+        errors.append(f"config.rollout.temperature must be > 0, got {config.rollout.temperature}")
+    if not errors:
+        rows = config.rollout.prompts_per_step * config.zve.n_samples
+        per_update = rows // config.train.updates_per_batch
+        if rows % config.train.updates_per_batch:
+            errors.append(
+                f"rollout rows prompts_per_step*zve.n_samples = {rows} not divisible by "
+                f"train.updates_per_batch = {config.train.updates_per_batch}"
+            )
+        elif per_update % (config.train.micro_batches * config.mesh.data * config.mesh.fsdp):
+            errors.append(
+                f"rows per update {per_update} not divisible by train.micro_batches * mesh.data "
+                f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
+                f"{config.mesh.fsdp}"
+            )
+        mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
+        if mesh > n_devices:
+            errors.append(
+                f"mesh data*fsdp*expert*tensor = {mesh} but only {n_devices} devices are visible"
+            )
+    for check, section in ((validate_loss_config, config.loss), (validate_zve_config, config.zve)):
+        try:
+            check(section)
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ValueError("invalid config: " + "; ".join(errors))
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+    """Parses an experiment's `:arg` suffix, big_vision style: `"small,steps=3"` sets the flag
+    `small=True` and `steps=3`; values keep the type of their default."""
+    parsed = ml_collections.ConfigDict(defaults)
+    for item in filter(None, (arg or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in defaults:
+            raise ValueError(f"unknown experiment argument {key!r}; valid: {sorted(defaults)}")
+        default = defaults[key]
+        if not value:
+            parsed[key] = True
+        elif isinstance(default, bool):
+            parsed[key] = value.lower() in ("1", "true", "yes")
+        else:
+            parsed[key] = type(default)(value)
+    return parsed
+
+
+def apply_small(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The laptop-CPU variant every experiment has: tiny model, 2 RL steps, small batches."""
+    config.model.preset = "tiny"
+    config.data.train_per_level = 16
+    config.data.test_per_level = 8
+    config.warmstart.steps = min(config.warmstart.steps, 2)
+    config.warmstart.batch_size = 8
+    config.warmstart.eval_every = 2
+    config.rollout.prompts_per_step = 4
+    config.zve.n_samples = 4
+    config.zve.adaptive.min_samples = 4
+    config.zve.adaptive.max_samples = 4
+    config.rollout.num_slots = 16
+    config.rollout.max_new_tokens = 16
+    config.train.steps = 2
+    config.train.updates_per_batch = 1
+    config.train.micro_batches = 1
+    config.checkpoint.every = 1
+    config.eval.every = 0
+    config.eval.num_prompts = 8
+    config.eval.pass_k = 2
+    return config
+
+
+def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
+    """The `arith_chains` experiment family: `small` MoE, warm start on the easy levels, then RL
+    with `loss_name` (the paper's clip settings for it) on all levels, every zero-variance stage,
+    FP8 engine and router replay. Experiments differ from each other by the loss only."""
+    from espo_jax.rl.losses import paper_loss_config
+
+    arg = parse_arg(arg, small=False)
+    c = default_config()
+    c.loss = paper_loss_config(loss_name)
+    c.loss.vocab_size = 128  # |V| of the `small` / `tiny` presets (character tokenizer)
+    c.advantage.name = "grpo"
+    c.rollout.precision = "fp8"
+    c.train.replay = "r3"
+    for stage in ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire"):
+        c.zve[stage].enabled = True  # every MS-ZVE stage
+    c.warmstart.steps = 600
+    c.warmstart.levels = (1, 2)
+    if arg.small:
+        apply_small(c)
+    return c

@@ -1,0 +1,83 @@
+"""Generation + overlapped scoring -> scored `RolloutGroup`s: the rollout side of one step.
+
+Shared by the single-process loop and the rollout worker. The engine calls back as each group
+finishes; its responses go to the reward pool at once, so scoring overlaps the decoding of the
+groups still running. Groups come back in plan order (the engine's order), whatever the timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+
+from espo_jax.rewards.pool import RewardPool
+from espo_jax.rollout.engine import Engine, GenerationGroup, Request
+from espo_jax.rollout.records import Response, RolloutGroup
+
+
+def generate_scored_groups(
+    engine: Engine,
+    pool: RewardPool,
+    plan: Sequence[tuple[Mapping, int]],
+    *,
+    rng: jax.Array,
+    policy_version: int,
+    n_experts: int | None,
+    admission: str = "fifo",
+    predictor=None,
+) -> list[RolloutGroup]:
+    """Samples `n` responses for each `(prompt, n)` of `plan`, scores them, returns records.
+
+    `prompt` is a prompt dict (`prompt_id`, `tokens`, `answer`, ...). Request i draws from
+    `rng` with seed i, so the result depends only on the weights, `rng` and the plan.
+    """
+    requests = [
+        Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"]), n_samples=n)
+        for p, n in plan
+    ]
+    tag = f"{policy_version}:{time.monotonic_ns()}"
+
+    def score(group: GenerationGroup) -> None:
+        answer = plan[group.request_index][0]["answer"]
+        for j, gen in enumerate(group.responses):
+            pool.submit((tag, group.request_index), j, gen.tokens.tolist(), answer)
+
+    generated = engine.generate_groups(
+        requests, rng=rng, admission=admission, predictor=predictor, on_group=score
+    )
+    out = []
+    for group in generated:
+        prompt = plan[group.request_index][0]
+        results = pool.wait_group((tag, group.request_index), len(group.responses))
+        responses = [
+            Response(
+                tokens=gen.tokens,
+                logprobs=gen.logprobs,
+                routed_experts=gen.routed_experts,
+                finish_reason=gen.finish_reason,
+                outcome=bool(res.outcome),
+                reward=float(res.reward),
+                reward_components=dict(res.components),
+            )
+            for gen, res in zip(group.responses, results, strict=True)
+        ]
+        failed = sum(res.failed for res in results)
+        meta = {"answer": str(prompt["answer"]), "level": int(prompt.get("level", 0))}
+        if failed:
+            meta["reward_failed"] = failed
+        out.append(
+            RolloutGroup(
+                prompt_id=str(group.prompt_id),
+                prompt_tokens=group.prompt_tokens,
+                policy_version=int(policy_version),
+                sampler=engine.sampler_name,
+                created_at=time.time(),
+                rewarded_at=time.time(),
+                meta=meta,
+                responses=responses,
+                n_experts=n_experts,
+            )
+        )
+    return out

@@ -1,0 +1,1 @@
+"""espo_jax.train."""

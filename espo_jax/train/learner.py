@@ -1,0 +1,154 @@
+"""The learner: rollout groups in, optimiser updates out.
+
+`Learner.update(groups)` turns a rollout batch into fixed-shape minibatches (advantages on the
+host, per group, so groups may have different sizes), runs the old-policy pass on all of them
+(router replay, mismatch metrics), then one optimiser update per minibatch. The jitted
+functions are compiled once, with explicit shardings and donation of the train state.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from espo_jax.rl.advantages import ADVANTAGES
+from espo_jax.rollout.records import RolloutGroup
+from espo_jax.train import step as step_lib
+from espo_jax.train.batch import RLBatch, pack_sequences
+from espo_jax.train.state import TrainState
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def group_advantages(
+    groups: Sequence[RolloutGroup], name: str, use_zvp: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per response (groups concatenated): advantages and the RL-ZVP sign (+1 all-correct,
+    -1 all-wrong zero-variance group, 0 otherwise). Rewards must be set (scored groups)."""
+    advs, signs = [], []
+    for g in groups:
+        rewards = np.array([r.reward for r in g.responses], np.float32)
+        outcomes = np.array([bool(r.outcome) for r in g.responses])
+        adv = np.asarray(ADVANTAGES[name](rewards[None]))[0] if len(rewards) > 1 else np.zeros(1)
+        advs.append(adv)
+        zero_var = rewards.max() == rewards.min() and outcomes.all() == outcomes.any()
+        sign = (1.0 if outcomes.all() else -1.0) if (use_zvp and zero_var) else 0.0
+        signs.append(np.full(len(rewards), sign, np.float32))
+    if not advs:
+        return np.zeros(0, np.float32), np.zeros(0, np.float32)
+    return np.concatenate(advs).astype(np.float32), np.concatenate(signs)
+
+
+class Learner:
+    """Holds the compiled old-policy pass and update step for one model and config."""
+
+    def __init__(self, config: ml_collections.ConfigDict, model_config, mesh, state_shardings):
+        self.config = config
+        self.model_config = model_config
+        self.mesh = mesh
+        self.rows = config.rollout.prompts_per_step * config.zve.n_samples
+        self.rows_per_update = self.rows // config.train.updates_per_batch
+        self.seq_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
+        self.n_data_shards = config.mesh.data * config.mesh.fsdp
+        self.moe_shape = (
+            (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None
+        )
+        rows_sharding = NamedSharding(mesh, P(BATCH_AXES))
+        replicated = NamedSharding(mesh, P())
+        self.batch_sharding = rows_sharding
+        kw = dict(
+            model_config=model_config,
+            replay=config.train.replay,
+            chunk_size=config.train.logprob_chunk,
+        )
+        batch_shardings = jax.tree.map(lambda _: rows_sharding, self._example_batch())
+        self._old_pass = jax.jit(
+            functools.partial(step_lib.old_policy_pass, **kw),
+            in_shardings=(state_shardings.params, batch_shardings),
+            out_shardings=None,
+        )
+        self._train_step = jax.jit(
+            functools.partial(
+                step_lib.rl_train_step,
+                loss_config=config.loss,
+                zvp_alpha=config.zve.zvp.alpha if config.zve.zvp.enabled else 0.0,
+                n_micro=config.train.micro_batches,
+                **kw,
+            ),
+            in_shardings=(state_shardings, None),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=(0,),
+        )
+
+    def _example_batch(self) -> RLBatch:
+        return self.pack([], [], [], [], np.zeros(0), np.zeros(0))
+
+    def pack(self, prompts, responses, blogps, routings, adv, signs) -> RLBatch:
+        return pack_sequences(
+            prompts,
+            responses,
+            blogps,
+            routings,
+            adv,
+            signs,
+            rows=self.rows_per_update,
+            seq_len=self.seq_len,
+            pad_id=0,
+            n_shards=self.n_data_shards,
+            moe_shape=self.moe_shape,
+        )
+
+    def minibatches(self, groups: Sequence[RolloutGroup]) -> list[RLBatch]:
+        """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`."""
+        adv, signs = group_advantages(
+            groups, self.config.advantage.name, self.config.zve.zvp.enabled
+        )
+        flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
+        batches = []
+        for start in range(0, max(len(flat), 1), self.rows_per_update):
+            chunk = flat[start : start + self.rows_per_update]
+            sl = slice(start, start + len(chunk))
+            batches.append(
+                self.pack(
+                    [p for p, _ in chunk],
+                    [r.tokens for _, r in chunk],
+                    [r.logprobs for _, r in chunk],
+                    [r.routed_experts for _, r in chunk],
+                    adv[sl],
+                    signs[sl],
+                )
+            )
+        return batches
+
+    def update(self, state: TrainState, groups: Sequence[RolloutGroup]):
+        """Old-policy pass over the whole rollout batch, then one update per minibatch.
+
+        Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
+        batches = [jax.device_put(b, self.batch_sharding) for b in self.minibatches(groups)]
+        prepared, metrics = [], []
+        for b in batches:
+            b, m = self._old_pass(state.params, b)
+            prepared.append(b)
+            metrics.append(m)
+        for b in prepared:
+            state, m = self._train_step(state, b)
+            metrics.append(m)
+        merged: dict[str, list] = {}
+        for m in jax.device_get(metrics):
+            for k, v in m.items():
+                merged.setdefault(k, []).append(np.asarray(v))
+        out = {k: float(np.mean(v)) for k, v in merged.items()}
+        out["train/max_abs_logp_mismatch"] = float(
+            np.max(merged.get("mismatch/max_abs_logp", [0.0]))
+        )
+        if out.get("train/skipped_update", 0) > 0:
+            logging.warning("non-finite loss or gradient: %d update(s) skipped",
+                            int(sum(merged["train/skipped_update"])))
+        return state, out

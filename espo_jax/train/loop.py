@@ -1,0 +1,245 @@
+"""The single-process on-policy loop: engine -> buffer -> learner, alternating.
+
+Each RL step: MS-ZVE picks prompts and sample counts; the embedded engine (FP8 weights when
+configured) generates them with rewards scored in an overlapped pool; the groups go through the
+rollout buffer (ArrayRecord shards) and come back through the reader with its exactly-once
+cursor; MS-ZVE filters them; the learner recomputes old log-probs with router replay and
+updates; the engine gets the new weights in memory. Everything random derives from
+`config.seed` and the step, so a run killed and resumed from its checkpoint ends bitwise equal
+to one that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from espo_jax import sharding
+from espo_jax.data.zve_pipeline import ZVEPipeline
+from espo_jax.rewards.pool import RewardPool
+from espo_jax.rollout import scheduling
+from espo_jax.rollout.buffer import BufferReader, BufferWriter
+from espo_jax.rollout.engine import Engine
+from espo_jax.rollout.generate import generate_scored_groups
+from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.rollout.shards import list_shards
+from espo_jax.train import setup as setup_lib
+from espo_jax.train import state as state_lib
+from espo_jax.train.checkpoint import Checkpointer
+from espo_jax.train.evaluate import evaluate
+from espo_jax.train.learner import Learner
+from espo_jax.train.metrics import MetricLogger
+from espo_jax.train.warmstart import warm_start
+
+
+def _engine(setup, precision: str) -> Engine:
+    c = setup.config.rollout
+    sampling = SamplingConfig(
+        temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+        max_new_tokens=c.max_new_tokens, stop_tokens=(setup.tokenizer.eos_id,),
+    )
+    return Engine(setup.model_config, sampling=sampling, max_slots=c.num_slots,
+                  max_cache_len=c.max_prompt_len + c.max_new_tokens, precision=precision)
+
+
+def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
+    """Deletes shards written after `cursor` (by a run that died before its next checkpoint):
+    the resumed run regenerates exactly those groups, so they must not be read twice."""
+    streams = (cursor or {}).get("streams", {})
+    removed = 0
+    for shard in list_shards(buffer_dir):
+        pos = streams.get(shard.stream)
+        if pos is None or shard.index >= pos[0]:
+            os.remove(os.path.join(buffer_dir, shard.name))
+            removed += 1
+    return removed
+
+
+class SyncRun:
+    """One run of the default loop; `run()` returns the summary dict."""
+
+    def __init__(self, config, workdir: str):
+        self.t0 = time.time()
+        self.config, self.workdir = config, workdir
+        self.setup = setup_lib.build(config, workdir)
+        self.logger = MetricLogger(workdir)
+        self.buffer_dir = config.buffer.dir or os.path.join(workdir, "buffer")
+        self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+        self.engine = _engine(self.setup, config.rollout.precision)
+        self.eval_engine = _engine(self.setup, "fp32")
+        self.decode = (setup_lib.char_decode if config.tokenizer == "char"
+                       else self.setup.tokenizer.decode)
+        reward = setup_lib.arith_reward if config.data.name == "arith_chains" else (
+            setup_lib.math_reward)
+        self.verify = reward
+        self.pool = RewardPool(reward, num_workers=config.rollout.reward_workers,
+                               timeout_s=config.rollout.reward_timeout_s,
+                               detokenize=self.decode)
+
+    # -- pieces -----------------------------------------------------------------------------
+    def evaluate(self, params, prompts=None) -> dict:
+        self.eval_engine.load_params(params)
+        return evaluate(self.eval_engine, prompts or self.setup.eval_prompts, decode=self.decode,
+                        verify=self.verify, pass_k=self.config.eval.pass_k,
+                        rng=jax.random.key(self.config.seed + 1))
+
+    def _initial_params(self):
+        s = self.setup
+        if s.hf_params is not None:
+            return sharding.shard_params(s.hf_params, s.model_config, s.mesh)
+        return sharding.init_sharded(s.model_config, s.mesh, rng=jax.random.key(self.config.seed))
+
+    def _new_state(self, params):
+        tx = state_lib.make_optimizer(self.config.optim, self.config.train.steps)
+        make = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))
+        return make(params)
+
+    def _start(self):
+        """Resume order: WORKDIR's latest checkpoint, then `checkpoint.init_from`, then scratch
+        (with the warm start)."""
+        c = self.config
+        state = self._new_state(self._initial_params())
+        if self.ckpt.latest_step() is not None:
+            state, meta = self.ckpt.restore(state)
+            logging.info("resuming from %s at RL step %d", self.workdir, meta["rl_step"])
+            return state, meta
+        meta = {"rl_step": 0, "generated_tokens": 0, "wasted_tokens": 0, "offline_tokens": 0,
+                "mismatch_sum": 0.0, "mismatch_n": 0, "cursor": None, "zve": None,
+                "predictor": None, "warmstart": {}}
+        if c.checkpoint.init_from:
+            state, _ = Checkpointer(c.checkpoint.init_from, async_save=False).restore(state)
+            state = self._new_state(state.params)
+        elif c.warmstart.steps > 0:
+            warm_eval = self.setup.warm_prompts
+            idx = setup_lib.balanced_subset(
+                [dict(level=p["level"], i=i) for i, p in enumerate(warm_eval)],
+                c.eval.num_prompts, c.seed)
+            warm_eval = [warm_eval[d["i"]] for d in idx]
+            params, _ = warm_start(
+                self.setup, state.params,
+                evaluate_fn=lambda p: self.evaluate(p, warm_eval),
+                log=lambda step, m: self.logger.write(step, m, phase="warmstart"),
+            )
+            state = self._new_state(params)
+        meta["warmstart"] = self.evaluate(state.params)
+        self.logger.write(0, meta["warmstart"], phase="eval")
+        return state, meta
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        c, s = self.config, self.setup
+        state, meta = self._start()
+        state_shardings = jax.tree.map(lambda x: x.sharding, state)
+        learner = Learner(c, s.model_config, s.mesh, state_shardings)
+        removed = discard_unread(self.buffer_dir, meta["cursor"]) if os.path.isdir(
+            self.buffer_dir) else 0
+        if removed:
+            logging.info("discarded %d buffer shards written after the last checkpoint", removed)
+        writer = BufferWriter(self.buffer_dir, "sync")
+        reader = BufferReader(self.buffer_dir, cursor=meta["cursor"],
+                              retention="keep" if c.buffer.keep_consumed else "delete")
+        zve = ZVEPipeline(s.train_prompts, c.zve, seed=c.seed, max_len=c.rollout.max_new_tokens)
+        predictor = (scheduling.LengthPredictor.from_state_dict(meta["predictor"])
+                     if meta["predictor"] else scheduling.LengthPredictor())
+        if meta["zve"]:
+            zve.load_state_dict(meta["zve"])
+        n_experts = s.model_config.n_experts if s.model_config.n_moe_layers else None
+        step = meta["rl_step"]
+        rounds = [0]
+
+        def rollout(plan):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), rounds[0])
+            rounds[0] += 1
+            groups = generate_scored_groups(
+                self.engine, self.pool, plan, rng=key, policy_version=step,
+                n_experts=n_experts, admission="longest_first", predictor=predictor)
+            for g in groups:
+                writer.write(g)
+                predictor.observe(g.prompt_id, [r.length for r in g.responses])
+            writer.flush()
+            read = reader.read(len(groups), timeout_s=60.0, policy_version=step)
+            if len(read) != len(groups):
+                raise RuntimeError(f"buffer returned {len(read)} of {len(groups)} groups; "
+                                   f"reader errors: {list(reader.errors)[-3:]}")
+            return [{"prompt_id": g.prompt_id, "group": g,
+                     "outcomes": [int(bool(r.outcome)) for r in g.responses],
+                     "lengths": [r.length for r in g.responses]} for g in read]
+
+        if step == 0 and c.zve.offline.enabled:
+            self.engine.load_params(state.params)
+            _, m = zve.offline_prune(rollout)
+            meta["offline_tokens"] += int(m.get("zve/offline_tokens", 0))
+            self.logger.write(0, m, phase="rl")
+        while step < c.train.steps:
+            t_step = time.time()
+            rounds[0] = 0
+            self.engine.load_params(state.params)
+            batch, zmetrics = zve.step(c.rollout.prompts_per_step, rollout)
+            groups = []
+            for b in batch:
+                g = b["group"]
+                for r, reward in zip(g.responses, b["rewards"], strict=True):
+                    r.reward = float(reward)
+                groups.append(g)
+            state, lmetrics = learner.update(state, groups)
+            step += 1
+            meta["rl_step"] = step
+            meta["generated_tokens"] += int(zmetrics["zve/tokens_generated"])
+            meta["wasted_tokens"] += int(zmetrics["zve/wasted_tokens"])
+            meta["mismatch_sum"] += lmetrics.get("mismatch/mean_abs_logp", 0.0)
+            meta["mismatch_n"] += 1
+            outcomes = [r.outcome for g in groups for r in g.responses]
+            metrics = {**zmetrics, **lmetrics, **self.pool.metrics(),
+                       "rollout/accuracy": float(np.mean(outcomes)) if outcomes else 0.0,
+                       "time/step_s": time.time() - t_step}
+            if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
+                metrics.update(self.evaluate(state.params))
+            self.logger.write(step, metrics, phase="rl")
+            logging.info("RL step %d/%d: rollout acc %.3f, zv frac %.2f, %.1f s", step,
+                         c.train.steps, metrics["rollout/accuracy"],
+                         zmetrics.get("zve/zero_variance_frac_before", 0.0), metrics["time/step_s"])
+            if step % c.checkpoint.every == 0 or step == c.train.steps:
+                meta.update(cursor=reader.cursor, zve=zve.state_dict(),
+                            predictor=predictor.state_dict())
+                self.ckpt.save(step, state, meta)
+                self.ckpt.wait()
+                reader.commit(meta["cursor"])
+        writer.close()
+        reader.close()
+        return self.finish(state, meta)
+
+    def finish(self, state, meta) -> dict:
+        final = self.evaluate(state.params)
+        self.logger.write(meta["rl_step"], final, phase="eval")
+        generated = meta["generated_tokens"] + meta["offline_tokens"]
+        summary = {
+            "warmstart_accuracy": meta["warmstart"].get("eval/accuracy", 0.0),
+            "final_accuracy": final["eval/accuracy"],
+            "steps": meta["rl_step"],
+            "wall_seconds": time.time() - self.t0,
+            "generated_tokens": generated,
+            # Offline pass-rate samples (stage 0) carry no gradient: they count as wasted.
+            "wasted_token_fraction": (meta["wasted_tokens"] + meta["offline_tokens"])
+            / max(generated, 1),
+            "mean_abs_logp_mismatch": meta["mismatch_sum"] / max(meta["mismatch_n"], 1),
+            "skipped_updates": int(jax.device_get(state.skipped)),
+            "warmstart": meta["warmstart"],
+            "final": final,
+        }
+        with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.ckpt.close()
+        self.pool.close()
+        self.logger.close()
+        return summary
+
+
+def run_sync(config, workdir: str) -> dict:
+    return SyncRun(config, workdir).run()
+
+

@@ -1,0 +1,58 @@
+"""Metrics: clu metric writers (TensorBoard event files) plus a JSONL file, process 0 only."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _scalar(v: Any) -> float:
+    v = np.asarray(jax.device_get(v))
+    return float(v.reshape(()) if v.size == 1 else v.mean())
+
+
+class MetricLogger:
+    """Writes flat scalar dicts to `workdir/metrics.jsonl` and TensorBoard event files."""
+
+    def __init__(self, workdir: str, *, tensorboard: bool = True):
+        self.enabled = jax.process_index() == 0
+        self._jsonl = None
+        self._writer = None
+        if not self.enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+        if tensorboard:
+            from clu import metric_writers  # imports TensorFlow: only when writing event files
+
+            self._writer = metric_writers.SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, Any], phase: str = "rl") -> dict[str, float]:
+        scalars = {k: _scalar(v) for k, v in metrics.items()}
+        if not self.enabled:
+            return scalars
+        record = {"step": int(step), "phase": phase}
+        record.update({k: (v if math.isfinite(v) else None) for k, v in scalars.items()})
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._writer is not None:
+            self._writer.write_scalars(int(step), {f"{phase}/{k}": v for k, v in scalars.items()})
+        return scalars
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

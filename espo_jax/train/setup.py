@@ -1,0 +1,112 @@
+"""What a run is built from: model config, tokenizer, prompt sets, mesh, reward function."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from espo_jax import sharding
+from espo_jax.models import hf_io
+from espo_jax.models.config import ModelConfig, get_preset
+from espo_jax.models.tokenizer import CharTokenizer, load_tokenizer
+from espo_jax.rewards.verifiers import verify_arith, verify_math
+
+
+@dataclasses.dataclass
+class RunSetup:
+    config: ml_collections.ConfigDict
+    workdir: str
+    model_config: ModelConfig
+    tokenizer: object
+    mesh: jax.sharding.Mesh
+    train_prompts: Sequence[dict]  # RL prompts (all train levels)
+    warm_prompts: Sequence[dict]  # warm-start prompts (the easy levels)
+    eval_prompts: Sequence[dict]  # held-out prompts
+    hf_params: dict | None = None  # initial weights from a Hugging Face directory
+
+
+_CHAR = CharTokenizer()
+
+
+def char_decode(ids) -> str:
+    """Module-level (picklable) detokeniser for reward-pool processes."""
+    return _CHAR.decode(ids, errors="replace")
+
+
+def arith_reward(text: str, answer: str) -> bool:
+    return verify_arith(text, answer)
+
+
+def math_reward(text: str, answer: str) -> bool:
+    return verify_math(text, answer, timeout_s=5.0)
+
+
+def data_dir(config, workdir: str) -> str:
+    return config.data.data_dir or os.path.join(workdir, "data")
+
+
+def _prompt_sources(config, workdir: str, tokenizer):
+    from espo_jax.data import prompts as prompts_lib
+
+    root = data_dir(config, workdir)
+    if config.data.name == "arith_chains":
+        from espo_jax.data.arith_chains import arith_chains_config
+
+        dcfg = arith_chains_config(train_per_level=config.data.train_per_level,
+                                   test_per_level=config.data.test_per_level, seed=config.seed)
+        src = functools.partial(prompts_lib.arith_chains_source, config=dcfg)
+        train = src(root, "train", tokenizer, levels=config.data.train_levels)
+        warm = src(root, "train", tokenizer, levels=config.warmstart.levels)
+        test = src(root, "test", tokenizer, levels=config.data.eval_levels)
+        return train, warm, test
+    from espo_jax.data.math_jsonl import math_jsonl_config
+
+    dcfg = math_jsonl_config(train=config.data.jsonl_train, test=config.data.jsonl_test)
+    kw = dict(config=dcfg, max_prompt_tokens=config.rollout.max_prompt_len)
+    train = prompts_lib.math_jsonl_source(root, "train", tokenizer, **kw)
+    test = prompts_lib.math_jsonl_source(root, "test", tokenizer, **kw)
+    return train, train, test
+
+
+def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
+    """`n` prompts spread evenly over levels (round robin over a seeded shuffle per level)."""
+    rng = np.random.default_rng(seed)
+    by_level: dict[int, list[int]] = {}
+    for i in range(len(prompts)):
+        by_level.setdefault(int(prompts[i].get("level", 0)), []).append(i)
+    queues = [list(rng.permutation(ids)) for _, ids in sorted(by_level.items())]
+    picked: list[int] = []
+    while len(picked) < n and any(queues):
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(int(q.pop(0)))
+    return [prompts[i] for i in sorted(picked)]
+
+
+def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
+    """Everything but the train state. Validates shapes (mesh, vocab) before any compile."""
+    hf_params = None
+    if config.model.hf_path:
+        model_config, hf_params = hf_io.from_pretrained(config.model.hf_path)
+    else:
+        model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
+    tokenizer = load_tokenizer(config.tokenizer)
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
+                         f"is {model_config.vocab_size}")
+    if config.loss.name == "espo" and config.loss.vocab_size != model_config.vocab_size:
+        raise ValueError(f"config.loss.vocab_size={config.loss.vocab_size} must equal the "
+                         f"model's vocab_size={model_config.vocab_size} (ESPO's log|V|)")
+    n_mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
+    mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
+    sharding.validate_divisibility(model_config, mesh)
+    train, warm, test = _prompt_sources(config, workdir, tokenizer)
+    eval_prompts = balanced_subset(test, config.eval.num_prompts, seed=config.seed)
+    return RunSetup(config, workdir, model_config, tokenizer, mesh, train, warm, eval_prompts,
+                    hf_params)

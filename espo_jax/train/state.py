@@ -1,0 +1,94 @@
+"""Train state and optimiser: AdamW with linear warm-up + cosine decay and global-norm clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the pure train step reads and writes.
+
+    `step` counts optimiser updates (including skipped ones, so schedules stay aligned with
+    time); `skipped` counts updates dropped for a non-finite loss or gradient.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    skipped: jax.Array
+    rng: jax.Array
+    tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+
+def make_schedule(optim: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+    """Linear warm-up from 0 to `optim.lr`, then cosine decay to `lr * final_lr_frac`."""
+    warmup = min(optim.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=optim.lr,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=optim.lr * optim.final_lr_frac,
+    )
+
+
+def make_optimizer(
+    optim: ml_collections.ConfigDict, total_steps: int
+) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; weight decay only on matrices (not norms or biases)."""
+
+    def decay_mask(params):
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip_norm),
+        optax.adamw(
+            make_schedule(optim, total_steps),
+            b1=optim.b1,
+            b2=optim.b2,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            mask=decay_mask,
+        ),
+    )
+
+
+def create_train_state(params, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    return TrainState(
+        params=params,
+        opt_state=tx.init(params),
+        step=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+        rng=rng,
+        tx=tx,
+    )
+
+
+def apply_gradients(state: TrainState, grads, loss: jax.Array) -> tuple[TrainState, jax.Array]:
+    """One optimiser update, skipped (parameters and moments unchanged) if loss or grads are
+    not finite. Returns the new state and a 0/1 `skipped` flag."""
+    finite = jnp.isfinite(loss) & jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    )
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+    updates, new_opt_state = state.tx.update(safe_grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, state.params)
+    opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_opt_state, state.opt_state)
+    skipped = (~finite).astype(jnp.int32)
+    return (
+        state.replace(
+            params=params,
+            opt_state=opt_state,
+            step=state.step + 1,
+            skipped=state.skipped + skipped,
+        ),
+        skipped,
+    )

@@ -1,0 +1,205 @@
+"""The learner's pure functions: old-policy pass, RL update step, supervised warm-start step.
+
+Each is a module-level pure function of `(state, batch)`; configs are bound with
+`functools.partial` and the result is jitted once with explicit shardings (see `compile.py`).
+
+Router replay (`replay`):
+  "r3"  replay the routing recorded by the rollout engine in both the old-policy pass and the
+        policy forward (arXiv 2510.11370);
+  "r2"  replay the learner's own old-policy routing in the policy forward (GSPO paper);
+  "off" every forward routes with its own live top-k.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from espo_jax import models
+from espo_jax.rl import logprobs as rl_logprobs
+from espo_jax.rl import losses
+from espo_jax.train.batch import RLBatch
+from espo_jax.train.state import TrainState, apply_gradients
+
+REPLAY_MODES = ("r3", "r2", "off")
+
+
+def sequence_logprobs(model_config, params, tokens, positions, targets, routed, chunk_size):
+    """Per-token log-probs and entropies of `targets`, chunked over the vocabulary projection."""
+    out = models.forward(
+        model_config,
+        params,
+        tokens,
+        positions_BxT=positions,
+        routed_experts_BxTxMxk=routed,
+        return_hidden=True,
+        return_logits=False,
+    )
+    w_DxV = models.lm_head_kernel(model_config, params)
+    logp, ent = rl_logprobs.logprobs_from_hidden(out.hidden, w_DxV, targets, chunk_size=chunk_size)
+    return logp, ent, out
+
+
+def _masked_mean(x, mask):
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
+    """Old-policy log-probs/entropies (no gradient) and train-inference mismatch metrics."""
+    routed = batch.routed_experts if replay == "r3" else None
+    logp, ent, out = sequence_logprobs(
+        model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
+    )
+    logp, ent = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
+    mask = batch.loss_mask
+    delta = jnp.abs(logp - batch.behaviour_logp) * mask
+    log_ratio = (batch.behaviour_logp - logp) * mask  # log(pi_sampler / pi_learner)
+    metrics = {
+        "mismatch/mean_abs_logp": _masked_mean(delta, mask),
+        "mismatch/max_abs_logp": jnp.max(delta),
+        # k3 estimator of KL(sampler || learner) from sampler samples.
+        "mismatch/kl_k3": _masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio, mask),
+        "mismatch/is_weight_max": jnp.max(jnp.where(mask > 0, jnp.exp(-log_ratio), 0.0)),
+        "entropy/mean": _masked_mean(ent, mask),
+    }
+    own_routing = None
+    if out.routed_experts is not None and out.router_logits:
+        # The learner's own live top-k (what it would choose without replay).
+        k = out.routed_experts.shape[-1]
+        logits_BxTxMxE = jnp.stack(out.router_logits, axis=2)
+        own_routing = jax.lax.top_k(logits_BxTxMxE, k)[1].astype(jnp.int32)
+        if batch.routed_experts is not None:
+            recorded = batch.routed_experts[..., 0, 0] >= 0  # positions with a recording
+            flips = models.routing_flip_rate(own_routing, batch.routed_experts, recorded)
+            metrics["moe/routing_flip_rate"] = jnp.mean(flips)
+            for i in range(flips.shape[0]):
+                metrics[f"moe/routing_flip_rate_layer{i}"] = flips[i]
+    return batch.replace(old_logp=logp, old_entropy=ent, old_routed_experts=own_routing), metrics
+
+
+def token_advantages(batch: RLBatch, zvp_alpha: float) -> jax.Array:
+    """Sequence advantages broadcast to tokens; RL-ZVP (arXiv 2509.21880 Eq. 5) for
+    zero-variance groups: all-correct A_t = alpha * sg(H_t); all-wrong
+    A_t = -alpha * (max_t H - sg(H_t)), H the old-policy token entropy."""
+    adv = jnp.broadcast_to(batch.advantages[:, None], batch.loss_mask.shape)
+    if zvp_alpha <= 0:
+        return adv
+    h = jax.lax.stop_gradient(batch.old_entropy) * batch.loss_mask
+    h_max = jnp.max(h, axis=1, keepdims=True)
+    sign = batch.zv_sign[:, None]
+    zvp = jnp.where(sign > 0, zvp_alpha * h, -zvp_alpha * (h_max - h))
+    return jnp.where(sign != 0, zvp, adv)
+
+
+def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_size, zvp_alpha):
+    routed = {
+        "r3": batch.routed_experts,
+        "r2": batch.old_routed_experts,
+        "off": None,
+    }[replay]
+    logp, _, out = sequence_logprobs(
+        model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
+    )
+    adv = token_advantages(batch, zvp_alpha)
+    tis = loss_config.tis != "off"
+    loss, metrics = losses.policy_loss(
+        logp,
+        batch.old_logp,
+        adv,
+        batch.loss_mask,
+        loss_config,
+        entropy=batch.old_entropy,
+        behaviour_logp=batch.behaviour_logp if tis else None,
+    )
+    metrics = dict(metrics)
+    metrics["pg/loss"] = loss
+    metrics["moe/aux_loss"] = out.aux_loss
+    return loss + out.aux_loss, metrics
+
+
+def _split_micro(tree, n_micro: int):
+    def split(x):
+        if x is None:
+            return None
+        if x.shape[0] % n_micro:
+            raise ValueError(f"batch of {x.shape[0]} rows not divisible by {n_micro} micro-batches")
+        return x.reshape(n_micro, x.shape[0] // n_micro, *x.shape[1:])
+
+    return jax.tree.map(split, tree)
+
+
+def accumulate_gradients(loss_fn, params, batch, n_micro: int):
+    """Mean loss, gradients and metrics over `n_micro` equal micro-batches (lax.scan)."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if n_micro == 1:
+        (loss, metrics), grads = grad_fn(params, batch)
+        return loss, grads, metrics
+    micro = _split_micro(batch, n_micro)
+
+    def body(carry, mb):
+        (loss, metrics), grads = grad_fn(params, mb)
+        acc_loss, acc_grads = carry
+        return (acc_loss + loss, jax.tree.map(jnp.add, acc_grads, grads)), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros(()), zeros), micro)
+    scale = 1.0 / n_micro
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    return loss * scale, grads, metrics
+
+
+def rl_train_step(
+    state: TrainState,
+    batch: RLBatch,
+    *,
+    model_config,
+    loss_config: ml_collections.ConfigDict,
+    replay: str,
+    chunk_size: int,
+    zvp_alpha: float,
+    n_micro: int,
+):
+    """One optimiser update on a minibatch that already carries old-policy log-probs."""
+
+    def loss_fn(params, mb):
+        return rl_loss(
+            params,
+            mb,
+            model_config=model_config,
+            loss_config=loss_config,
+            replay=replay,
+            chunk_size=chunk_size,
+            zvp_alpha=zvp_alpha,
+        )
+
+    loss, grads, metrics = accumulate_gradients(loss_fn, state.params, batch, n_micro)
+    state, skipped = apply_gradients(state, grads, loss)
+    metrics = dict(metrics)
+    metrics["train/loss"] = loss
+    metrics["train/grad_norm"] = _global_norm(grads)
+    metrics["train/skipped_update"] = skipped
+    return state, metrics
+
+
+def sft_train_step(state: TrainState, batch, *, model_config, chunk_size: int, n_micro: int):
+    """Supervised warm start: token cross-entropy on `batch["targets"]` where `batch["mask"]`."""
+
+    def loss_fn(params, mb):
+        logp, _, out = sequence_logprobs(
+            model_config, params, mb["tokens"], mb["positions"], mb["targets"], None, chunk_size
+        )
+        nll = -_masked_mean(logp, mb["mask"])
+        return nll + out.aux_loss, {"sft/nll": nll, "moe/aux_loss": out.aux_loss}
+
+    loss, grads, metrics = accumulate_gradients(loss_fn, state.params, batch, n_micro)
+    state, skipped = apply_gradients(state, grads, loss)
+    metrics = dict(metrics)
+    metrics["train/grad_norm"] = _global_norm(grads)
+    metrics["train/skipped_update"] = skipped
+    return state, metrics
+
+
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
