@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 from typing import Any
 
 from etils import epath
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("directory")
     p.add_argument("--policy-version", type=int, default=None, help="for staleness")
     args = parser.parse_args(argv)
-    report = inspect_directory(args.directory, args.policy_version)
+    try:
+        report = inspect_directory(args.directory, args.policy_version)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(format_report(report))
     return 1 if report["errors"] else 0
