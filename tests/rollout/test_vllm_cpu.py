@@ -164,3 +164,24 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     # and is far from the other version's (seen: ~0.3 nats), so the reload really happened.
     assert gap(1, 1) < 1e-4 and gap(2, 2) < 1e-4
     assert gap(2, 1) > 1e-2 and gap(1, 2) > 1e-2
+
+
+# ---- launch/gpu_check.sh without a GPU ----------------------------------------------------------
+def test_gpu_check_cpu_dry_run(tmp_path):
+    env = dict(os.environ, WORKDIR=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(REPO / "launch" / "gpu_check.sh"), "--cpu-dry-run"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 records decoded" in proc.stdout and "replay=on" in proc.stdout
+    s = json.loads((tmp_path / "summary.json").read_text())["outputs_v1.json"]
+    # 4 prompts of P = 7 + 3i tokens (i = 0..3), G = 4 samples of T = 16 tokens (no stop token):
+    # 16 responses, routing [P + T, M=2, k=2] = 23, 26, 29, 32 rows, one -1 row per response.
+    assert (s["records"], s["responses"], s["sentinel_rows"]) == (4, 16, 16)
+    assert s["routing_shapes"] == [[23, 2, 2], [26, 2, 2], [29, 2, 2], [32, 2, 2]]
+    off, on = s["no_replay"], s["replay"]
+    assert off["mismatch/tokens"] == on["mismatch/tokens"] == 16 * 16
+    # FP8 weights against the fp32 learner: small gaps, a few routing decisions flipped, and
+    # replaying the recorded routing does not widen the gap.
+    assert 0 < off["mismatch/logp_abs_mean"] < 0.05
+    assert 0 < off["moe/routing_flip_rate"] < 0.5
+    assert on["mismatch/logp_abs_mean"] <= off["mismatch/logp_abs_mean"] + 1e-6

@@ -1,0 +1,252 @@
+"""The Python side of launch/gpu_check.sh: vLLM FP8 rollouts with routing capture, checked.
+
+Stages (each a subcommand, so the JAX and the vLLM stages run in separate processes and every
+vLLM engine gets the GPU to itself):
+
+  export W       JAX: publish the tiny MoE as policy v1 and v2 (`weights.publish`, HF export)
+                 and, with --bench, a larger MoE for the throughput comparison.
+  sample W       vLLM (GPU): G samples of a few prompts with FP8 and routing capture at v1;
+                 then reload v2 in place and sample again. Raw outputs -> W/outputs_*.json.
+  throughput W   vLLM (GPU): generated tokens/s of the bench model, FP8 then bf16 (--quant).
+  record W       JAX, no vLLM (--cpu-dry-run): the embedded engine with FP8 weights stands in
+                 for vLLM; its groups are written in vLLM 0.32's output layout (routing
+                 [P + T - 1, M, k] uint8) to W/outputs_v1.json, a "recorded output".
+  analyze W      JAX: the outputs through `vllm_convert` -> records -> encode/decode, routing
+                 shapes, and the learner's log-prob gap with and without router replay
+                 (`mismatch.measure_mismatch`); prints everything, writes W/summary.json.
+  dry-run W      export + record + analyze in one process (what CI runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+N_PROMPTS, G, MAX_NEW = 4, 4, 16
+SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)  # untruncated: log-probs comparable
+
+
+def _prompts() -> list[tuple[str, list[int]]]:
+    return [(f"p{i}", [1] + [(7 * i + 3 * j) % 90 + 5 for j in range(6 + 3 * i)])
+            for i in range(N_PROMPTS)]
+
+
+def _path(w: str, *names: str) -> str:
+    return os.path.join(w, *names)
+
+
+# ---- JAX stages ---------------------------------------------------------------------------------
+def export(w: str, bench: bool, versions: tuple[int, ...] = (1, 2)) -> None:
+    import jax
+
+    from espo_jax import models
+    from espo_jax.models import hf_io
+    from espo_jax.rollout import weights
+
+    # head_dim 32: vLLM's CPU attention (dry runs elsewhere) and GPU kernels both take it.
+    config = models.get_preset("tiny", head_dim=32)
+    for v in versions:
+        weights.publish(_path(w, "weights"), v, config, models.init_params(
+            config, jax.random.key(v)), hf_export=True, keep=None)
+    if bench:  # ~0.2B parameters: big enough for FP8 vs bf16 to show in tokens/s
+        big = models.get_preset("small", vocab_size=4096, d_model=1024, n_layers=4, n_heads=8,
+                                n_kv_heads=4, head_dim=128, n_experts=16, top_k=2,
+                                d_expert=1024, max_seq_len=2048)
+        hf_io.save_pretrained(big, models.init_params(big, jax.random.key(0)),
+                              _path(w, "bench_hf"), dtype="bfloat16")
+    names = ", ".join(f"v{v}" for v in versions) + (" and the bench model" if bench else "")
+    print(f"[gpu_check] exported policies {names} to {w}")
+
+
+def record(w: str) -> None:
+    """Engine (JAX, FP8 weights) groups of v1, saved in vLLM 0.32's RequestOutput layout."""
+    import jax
+    import numpy as np
+
+    from espo_jax.rollout import weights
+    from espo_jax.rollout.engine import Engine, Request
+    from espo_jax.rollout.sampling import SamplingConfig
+
+    config, params = weights.load(weights.version_dir(_path(w, "weights"), 1))
+    engine = Engine(config, params, sampling=SamplingConfig(**SAMPLING, max_new_tokens=MAX_NEW),
+                    max_slots=8, max_cache_len=64, precision="fp8")
+    groups = engine.generate_groups([Request(pid, toks) for pid, toks in _prompts()],
+                                    n_samples=G, rng=jax.random.key(0))
+    outputs = []
+    for g in groups:
+        p = len(g.prompt_tokens)
+        outputs.append({
+            "prompt_token_ids": g.prompt_tokens.tolist(),
+            "outputs": [{
+                "index": i,
+                "token_ids": r.tokens.tolist(),
+                "logprobs": [{str(t): float(lp)}
+                             for t, lp in zip(r.tokens, r.logprobs, strict=True)],
+                "finish_reason": r.finish_reason,
+                # vLLM returns every fed-forward token: all but the last sampled one.
+                "routed_experts": _array_dict(
+                    np.asarray(r.routed_experts[:p + len(r.tokens) - 1], np.uint8)),
+            } for i, r in enumerate(g.responses)],
+        })
+    _save(w, "outputs_v1.json", {"sampler": "jax-fp8 (dry run)", "outputs": outputs})
+
+
+def analyze(w: str) -> dict:
+    import numpy as np
+
+    from espo_jax.rollout import records, weights
+    from espo_jax.rollout.mismatch import measure_mismatch
+    from espo_jax.rollout.vllm_convert import output_from_dict, request_output_to_group
+
+    summary: dict = {}
+    for name, version in (("outputs_v1.json", 1), ("outputs_v2_inplace.json", 2)):
+        if not os.path.exists(_path(w, name)):
+            continue
+        with open(_path(w, name)) as f:
+            rec = json.load(f)
+        config, params = weights.load(weights.version_dir(_path(w, "weights"), version))
+        groups = []
+        for i, d in enumerate(rec["outputs"]):
+            g = request_output_to_group(
+                output_from_dict(d), prompt_id=f"p{i}", policy_version=version,
+                sampler=rec["sampler"], n_experts=config.n_experts,
+                moe_layers=config.n_moe_layers, top_k=config.top_k)
+            decoded = records.decode(records.encode(g))
+            assert decoded == g, "record round trip changed the group"
+            groups.append(decoded)
+        r0 = groups[0].responses[0]
+        shapes = sorted({tuple(r.routed_experts.shape) for g in groups for r in g.responses})
+        sentinel_rows = sum(int(np.all(r.routed_experts == -1, axis=(1, 2)).sum())
+                            for g in groups for r in g.responses)
+        print(f"\n[gpu_check] {name}: {len(groups)} records decoded ({rec['sampler']}, policy "
+              f"v{version}), {sum(g.num_responses for g in groups)} responses")
+        print(f"  routing shapes [P+T, M, k]: {shapes[:4]}{' ...' if len(shapes) > 4 else ''}; "
+              f"rows without routing (-1): {sentinel_rows} (one per response expected)")
+        lps = ", ".join(f"{x:.3f}" for x in r0.logprobs[:4])
+        print(f"  first response: tokens {r0.tokens[:8].tolist()}..., logprobs [{lps}, ...], "
+              f"finish {r0.finish_reason}")
+        entry = {"records": len(groups), "routing_shapes": [list(s) for s in shapes],
+                 "sentinel_rows": sentinel_rows,
+                 "responses": sum(g.num_responses for g in groups)}
+        for replay in (False, True):
+            m = measure_mismatch(config, params, groups, replay=replay)
+            entry["replay" if replay else "no_replay"] = m
+            print(f"  learner (fp32) vs rollout, replay={'on ' if replay else 'off'}: "
+                  f"|dlogp| mean {m['mismatch/logp_abs_mean']:.2e} max "
+                  f"{m['mismatch/logp_abs_max']:.2e}, KL k3 {m['mismatch/kl_k3']:.2e}, routing "
+                  f"flip rate {m.get('moe/routing_flip_rate', 0.0):.3f}")
+        if version == 2:  # in-place reload: must match v2 far better than v1
+            _, p1 = weights.load(weights.version_dir(_path(w, "weights"), 1))
+            stale = measure_mismatch(config, p1, groups, replay=True)["mismatch/logp_abs_mean"]
+            entry["vs_v1_logp_abs_mean"] = stale
+            print(f"  after in-place reload: |dlogp| vs v2 "
+                  f"{entry['replay']['mismatch/logp_abs_mean']:.2e}, vs v1 {stale:.2e}")
+        summary[name] = entry
+    tp = {q: json.load(open(_path(w, f"throughput_{q}.json"))) for q in ("fp8", "bf16")
+          if os.path.exists(_path(w, f"throughput_{q}.json"))}
+    if tp:
+        print("\n| weights | generated tok/s | tokens | seconds |\n|---|---|---|---|")
+        for q, t in tp.items():
+            print(f"| {q} | {t['tokens_per_s']:.0f} | {t['tokens']} | {t['seconds']:.2f} |")
+        if len(tp) == 2:
+            ratio = tp["fp8"]["tokens_per_s"] / tp["bf16"]["tokens_per_s"]
+            print(f"FP8 / bf16 throughput: {ratio:.2f}x")
+        summary["throughput"] = tp
+    _save(w, "summary.json", summary)
+    return summary
+
+
+# ---- vLLM stages (GPU) --------------------------------------------------------------------------
+def _worker(hf_dir: str, version: int, quantization: str | None, routing: bool, n: int,
+            max_new: int):
+    from espo_jax.rollout.sampling import SamplingConfig
+    from espo_jax.rollout.vllm_worker import VllmWorker, VllmWorkerConfig
+
+    sampling = SamplingConfig(**SAMPLING, max_new_tokens=max_new)
+    cfg = VllmWorkerConfig(n_samples=n, sampling=sampling,
+                           quantization=quantization, capture_routing=routing, dtype="bfloat16",
+                           max_model_len=2048, enforce_eager=True, reload="inplace",
+                           gpu_memory_utilization=0.5)
+    return VllmWorker(hf_dir, version, cfg)
+
+
+def _raw_generate(worker, prompts) -> list:
+    """vLLM RequestOutputs of `prompts` with the worker's sampling (what `generate` converts)."""
+    from vllm.inputs import TokensPrompt
+
+    return worker.llm.generate([TokensPrompt(prompt_token_ids=t) for _, t in prompts],
+                               [worker.sampling_params(i) for i in range(len(prompts))],
+                               use_tqdm=False)
+
+
+def sample(w: str) -> None:
+    from espo_jax.rollout import weights
+    from espo_jax.rollout.vllm_convert import output_to_dict
+
+    root = _path(w, "weights")
+    worker = _worker(os.fspath(weights.version_dir(root, 1) / "hf"), 1, "fp8", True, G, MAX_NEW)
+    _save(w, "outputs_v1.json", {"sampler": worker.config.sampler, "outputs": [
+        output_to_dict(o) for o in _raw_generate(worker, _prompts())]})
+    mode = worker.load(os.fspath(weights.version_dir(root, 2) / "hf"), 2)
+    _save(w, "outputs_v2_inplace.json", {"sampler": worker.config.sampler, "reload": mode,
+                                         "outputs": [output_to_dict(o) for o in
+                                                     _raw_generate(worker, _prompts())]})
+    print(f"[gpu_check] sampled v1, reloaded v2 ({mode}, {worker.reloads[-1]['seconds']:.1f}s)")
+
+
+def throughput(w: str, quant: str) -> None:
+    worker = _worker(_path(w, "bench_hf"), 0, "fp8" if quant == "fp8" else None, False, 8, 256)
+    prompts = [(i, [1] + [(11 * i + j) % 4000 + 5 for j in range(64)]) for i in range(64)]
+    worker.generate(prompts[:4])  # warm-up
+    start = time.perf_counter()
+    groups = worker.generate(prompts)
+    seconds = time.perf_counter() - start
+    tokens = int(sum(g.response_lengths.sum() for g in groups))
+    _save(w, f"throughput_{quant}.json", {"tokens": tokens, "seconds": seconds,
+                                          "tokens_per_s": tokens / seconds})
+
+
+# ---- plumbing -----------------------------------------------------------------------------------
+def _array_dict(x) -> dict:
+    return {"shape": list(x.shape), "values": x.ravel().tolist()}
+
+
+def _save(w: str, name: str, obj) -> None:
+    with open(_path(w, name), "w") as f:
+        json.dump(obj, f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("stage", choices=["export", "sample", "throughput", "record", "analyze",
+                                     "dry-run"])
+    p.add_argument("workdir")
+    p.add_argument("--bench", action="store_true", help="export: also the throughput model")
+    p.add_argument("--quant", choices=["fp8", "bf16"], default="fp8", help="throughput weights")
+    a = p.parse_args(argv)
+    os.makedirs(a.workdir, exist_ok=True)
+    if a.stage == "export":
+        export(a.workdir, a.bench)
+    elif a.stage == "sample":
+        sample(a.workdir)
+    elif a.stage == "throughput":
+        throughput(a.workdir, a.quant)
+    elif a.stage == "record":
+        record(a.workdir)
+    elif a.stage == "analyze":
+        analyze(a.workdir)
+    else:
+        for name, stage in (("export", lambda: export(a.workdir, bench=False, versions=(1,))),
+                            ("record", lambda: record(a.workdir)),
+                            ("analyze", lambda: analyze(a.workdir))):
+            start = time.perf_counter()
+            stage()
+            print(f"[gpu_check] {name}: {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's worker processes re-import __main__: keep this guard.
+    sys.exit(main())

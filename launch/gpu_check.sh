@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU check of the vLLM rollout path, in under 5 minutes on one GPU:
+#   - installs the `vllm` extra (skipped when vllm already imports),
+#   - exports the tiny MoE as published policies v1 and v2 (HF safetensors),
+#   - samples a few prompts with vLLM, FP8 weights and routed-expert capture, reloads v2 in place,
+#   - prints the records decoded, their routing shapes, the learner's log-prob gap with and
+#     without router replay, and FP8 vs bf16 generated tokens/s on a ~0.2B MoE.
+#
+# Usage:  launch/gpu_check.sh                 on a machine with a CUDA GPU
+#         launch/gpu_check.sh --cpu-dry-run   anywhere: everything except vLLM (export, the
+#                                             conversion of a recorded output, the learner-side
+#                                             mismatch); the JAX engine with FP8 weights stands
+#                                             in for vLLM. Run by tests/rollout/test_vllm_cpu.py.
+# WORKDIR=DIR keeps the outputs (default: a fresh temporary directory); PYTHON=... picks the
+# interpreter. Summary: $WORKDIR/summary.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+WORKDIR=${WORKDIR:-$(mktemp -d -t espo_gpu_check.XXXXXX)}
+export HF_HUB_OFFLINE=1 TF_CPP_MIN_LOG_LEVEL=3 JAX_PLATFORMS=cpu  # the learner side is tiny
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$HOME/.cache/espo_jax/jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.5}
+step() { echo "[gpu_check] $(date +%T) $*"; }
+
+if [[ "${1:-}" == "--cpu-dry-run" ]]; then
+  step "dry run (no vLLM) in $WORKDIR"
+  timeout 600 "$PYTHON" launch/gpu_check.py dry-run "$WORKDIR"
+  step "done: $WORKDIR/summary.json"
+  exit 0
+elif [[ -n "${1:-}" ]]; then
+  echo "usage: $0 [--cpu-dry-run]" >&2
+  exit 2
+fi
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "[gpu_check] no CUDA GPU visible to torch: FP8 and routing capture are GPU-only in vLLM." >&2
+  echo "[gpu_check] run '$0 --cpu-dry-run' for the parts that do not need one." >&2
+  exit 2
+fi
+if ! "$PYTHON" -c "import vllm" 2>/dev/null; then
+  step "installing the vllm extra"
+  "$PYTHON" -m pip install -q -e '.[vllm]'
+fi
+"$PYTHON" -c "import vllm, torch; print('[gpu_check] vllm', vllm.__version__, 'torch',
+torch.__version__, torch.cuda.get_device_name(0))"
+
+step "export (JAX, CPU) -> $WORKDIR"
+timeout 300 "$PYTHON" launch/gpu_check.py export "$WORKDIR" --bench
+step "vLLM: FP8 + routing capture, reload in place"
+timeout 300 "$PYTHON" launch/gpu_check.py sample "$WORKDIR"
+for q in fp8 bf16; do
+  step "vLLM throughput: $q"
+  timeout 300 "$PYTHON" launch/gpu_check.py throughput "$WORKDIR" --quant "$q"
+done
+step "analyze (JAX learner, CPU)"
+timeout 300 "$PYTHON" launch/gpu_check.py analyze "$WORKDIR"
+step "done: $WORKDIR/summary.json"
