@@ -312,11 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main_from_config(config, workdir: str) -> int:
+def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1) -> int:
     """`python -m espo_jax.main --mode=rollout`: a worker built from an experiment config.
 
     Weights from WORKDIR/weights (where the learner publishes), groups to the configured buffer
     (default WORKDIR/buffer), prompts cycling over the training set, the task's verifier.
+    Worker `index` of `num_workers` takes every `num_workers`-th prompt starting at `index`
+    and its own RNG stream, so workers never duplicate each other's groups.
     """
     import os
 
@@ -330,7 +332,7 @@ def main_from_config(config, workdir: str) -> int:
     wc = WorkerConfig(
         publish_dir=os.path.join(workdir, "weights"),
         buffer_dir=config.buffer.dir or os.path.join(workdir, "buffer"),
-        writer_id=f"rollout-{os.getpid()}",
+        writer_id=f"rollout-{index}",
         n_samples=config.zve.n_samples,
         prompts_per_batch=r.prompts_per_step,
         sampling=sampling,
@@ -339,13 +341,14 @@ def main_from_config(config, workdir: str) -> int:
         max_cache_len=r.max_prompt_len + r.max_new_tokens,
         reward_workers=r.reward_workers,
         reward_timeout_s=r.reward_timeout_s,
-        seed=config.seed,
+        seed=config.seed * 1000 + index,
     )
     reward = (
         setup_lib.arith_reward if config.data.name == "arith_chains" else (setup_lib.math_reward)
     )
     decode = setup_lib.char_decode if config.tokenizer == "char" else setup.tokenizer.decode
-    prompts = itertools.chain.from_iterable(itertools.repeat(setup.train_prompts))
+    mine = [setup.train_prompts[i] for i in range(index, len(setup.train_prompts), num_workers)]
+    prompts = itertools.chain.from_iterable(itertools.repeat(mine))
     worker = RolloutWorker(wc, prompts, reward, detokenize=decode)
     worker.install_signal_handlers()
     worker.run()

@@ -60,8 +60,10 @@ def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
     return removed
 
 
-class SyncRun:
-    """One run of the default loop; `run()` returns the summary dict."""
+class Run:
+    """What every loop shares: set-up, resume order, warm start, evaluation, summary.
+
+    Subclasses implement `run()` and return `finish(state, meta)`."""
 
     def __init__(self, config, workdir: str):
         self.t0 = time.time()
@@ -70,16 +72,11 @@ class SyncRun:
         self.logger = MetricLogger(workdir)
         self.buffer_dir = config.buffer.dir or os.path.join(workdir, "buffer")
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
-        self.engine = _engine(self.setup, config.rollout.precision)
         self.eval_engine = _engine(self.setup, "fp32")
         self.decode = (setup_lib.char_decode if config.tokenizer == "char"
                        else self.setup.tokenizer.decode)
-        reward = setup_lib.arith_reward if config.data.name == "arith_chains" else (
-            setup_lib.math_reward)
-        self.verify = reward
-        self.pool = RewardPool(reward, num_workers=config.rollout.reward_workers,
-                               timeout_s=config.rollout.reward_timeout_s,
-                               detokenize=self.decode)
+        self.verify = (setup_lib.arith_reward if config.data.name == "arith_chains"
+                       else setup_lib.math_reward)
 
     # -- pieces -----------------------------------------------------------------------------
     def evaluate(self, params, prompts=None) -> dict:
@@ -130,7 +127,49 @@ class SyncRun:
         self.logger.write(0, meta["warmstart"], phase="eval")
         return state, meta
 
-    # -- the loop ---------------------------------------------------------------------------
+    def finish(self, state, meta) -> dict:
+        final = self.evaluate(state.params)
+        self.logger.write(meta["rl_step"], final, phase="eval")
+        generated = meta["generated_tokens"] + meta["offline_tokens"]
+        summary = {
+            "warmstart_accuracy": meta["warmstart"].get("eval/accuracy", 0.0),
+            "final_accuracy": final["eval/accuracy"],
+            "steps": meta["rl_step"],
+            "wall_seconds": time.time() - self.t0,
+            "generated_tokens": generated,
+            # Offline pass-rate samples (stage 0) carry no gradient: they count as wasted.
+            "wasted_token_fraction": (meta["wasted_tokens"] + meta["offline_tokens"])
+            / max(generated, 1),
+            "mean_abs_logp_mismatch": meta["mismatch_sum"] / max(meta["mismatch_n"], 1),
+            "skipped_updates": int(jax.device_get(state.skipped)),
+            "warmstart": meta["warmstart"],
+            "final": final,
+        }
+        with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.ckpt.close()
+        self.logger.close()
+        return summary
+
+    def record_step(self, meta: dict, step: int, zmetrics: dict, lmetrics: dict) -> None:
+        """Adds one RL step's token and mismatch counts to the run totals in `meta`."""
+        meta["rl_step"] = step
+        meta["generated_tokens"] += int(zmetrics.get("zve/tokens_generated", 0))
+        meta["wasted_tokens"] += int(zmetrics.get("zve/wasted_tokens", 0))
+        meta["mismatch_sum"] += lmetrics.get("mismatch/mean_abs_logp", 0.0)
+        meta["mismatch_n"] += 1
+
+
+class SyncRun(Run):
+    """The default single-process loop; `run()` returns the summary dict."""
+
+    def __init__(self, config, workdir: str):
+        super().__init__(config, workdir)
+        self.engine = _engine(self.setup, config.rollout.precision)
+        self.pool = RewardPool(self.verify, num_workers=config.rollout.reward_workers,
+                               timeout_s=config.rollout.reward_timeout_s,
+                               detokenize=self.decode)
+
     def run(self) -> dict:
         c, s = self.config, self.setup
         state, meta = self._start()
@@ -188,11 +227,7 @@ class SyncRun:
                 groups.append(g)
             state, lmetrics = learner.update(state, groups)
             step += 1
-            meta["rl_step"] = step
-            meta["generated_tokens"] += int(zmetrics["zve/tokens_generated"])
-            meta["wasted_tokens"] += int(zmetrics["zve/wasted_tokens"])
-            meta["mismatch_sum"] += lmetrics.get("mismatch/mean_abs_logp", 0.0)
-            meta["mismatch_n"] += 1
+            self.record_step(meta, step, zmetrics, lmetrics)
             outcomes = [r.outcome for g in groups for r in g.responses]
             metrics = {**zmetrics, **lmetrics, **self.pool.metrics(),
                        "rollout/accuracy": float(np.mean(outcomes)) if outcomes else 0.0,
@@ -211,32 +246,8 @@ class SyncRun:
                 reader.commit(meta["cursor"])
         writer.close()
         reader.close()
-        return self.finish(state, meta)
-
-    def finish(self, state, meta) -> dict:
-        final = self.evaluate(state.params)
-        self.logger.write(meta["rl_step"], final, phase="eval")
-        generated = meta["generated_tokens"] + meta["offline_tokens"]
-        summary = {
-            "warmstart_accuracy": meta["warmstart"].get("eval/accuracy", 0.0),
-            "final_accuracy": final["eval/accuracy"],
-            "steps": meta["rl_step"],
-            "wall_seconds": time.time() - self.t0,
-            "generated_tokens": generated,
-            # Offline pass-rate samples (stage 0) carry no gradient: they count as wasted.
-            "wasted_token_fraction": (meta["wasted_tokens"] + meta["offline_tokens"])
-            / max(generated, 1),
-            "mean_abs_logp_mismatch": meta["mismatch_sum"] / max(meta["mismatch_n"], 1),
-            "skipped_updates": int(jax.device_get(state.skipped)),
-            "warmstart": meta["warmstart"],
-            "final": final,
-        }
-        with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        self.ckpt.close()
         self.pool.close()
-        self.logger.close()
-        return summary
+        return self.finish(state, meta)
 
 
 def run_sync(config, workdir: str) -> dict:

@@ -1,0 +1,154 @@
+"""The distributed layout on one machine: a learner process and N rollout worker processes.
+
+They meet only at two directories: the rollout buffer (workers write `RolloutGroup`s, the
+learner reads them with its exactly-once cursor) and the published-weights directory (the
+learner publishes version v after its v-th update; workers load the newest version between
+batches). Groups sampled by a policy more than `train.max_staleness` versions old are dropped
+by the reader and counted. MS-ZVE on this path: stage 4 (online filter) and stage 2 (tie-break)
+run on the learner as groups arrive, stage 3 in its advantages; stages 0/1/5 need the
+scheduler's history on the rollout side and are only used by the single-process loop.
+Workers are real processes (spawn); they stop on SIGTERM after writing their finished groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from espo_jax.data.zve_metrics import step_metrics
+from espo_jax.rewards.shaping import tie_break_rewards
+from espo_jax.rollout import weights
+from espo_jax.rollout.buffer import BufferReader
+from espo_jax.train.learner import Learner
+from espo_jax.train.loop import Run
+
+
+def _worker_main(config_json: str, workdir: str, index: int) -> None:
+    """Entry point of rollout worker process `index` (spawned; builds its own set-up)."""
+    from espo_jax.rollout import worker
+
+    config = ml_collections.ConfigDict(json.loads(config_json))
+    worker.main_from_config(config, workdir, index=index, num_workers=config.train.num_workers)
+
+
+def start_workers(config, workdir: str) -> list[mp.Process]:
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i in range(config.train.num_workers):
+        p = ctx.Process(target=_worker_main, args=(config.to_json(), workdir, i),
+                        name=f"rollout-{i}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def stop_workers(procs: list[mp.Process], timeout_s: float = 120.0) -> list[int]:
+    """SIGTERM, wait for a clean exit, SIGKILL what hangs; returns the exit codes."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.1))
+        if p.is_alive():
+            logging.warning("worker %s did not stop in %.0f s: killing it", p.name, timeout_s)
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+class AsyncRun(Run):
+    """Learner side of the async layout; `run()` returns the summary dict."""
+
+    def _groups(self, reader: BufferReader, n: int, version: int) -> list:
+        """`n` groups from the buffer (blocking), as MS-ZVE group dicts."""
+        out = []
+        while len(out) < n:
+            for g in reader.read(n - len(out), timeout_s=600.0, policy_version=version):
+                out.append({"prompt_id": g.prompt_id, "group": g,
+                            "outcomes": [int(bool(r.outcome)) for r in g.responses],
+                            "lengths": [r.length for r in g.responses]})
+            if self._dead_workers():
+                raise RuntimeError(f"rollout workers died: {self._dead_workers()}")
+        tb = self.config.zve.tie_break
+        for g in out:
+            outcomes = np.asarray(g["outcomes"], np.float32)
+            g["rewards"] = (tie_break_rewards(outcomes, np.asarray(g["lengths"]),
+                                              max_len=self.config.rollout.max_new_tokens,
+                                              prefer=tb.prefer, tier_gap=tb.tier_gap,
+                                              band=tb.band)
+                            if tb.enabled else outcomes)
+        return out
+
+    def _dead_workers(self) -> list[str]:
+        return [f"{p.name} (exit {p.exitcode})" for p in self.procs if not p.is_alive()]
+
+    def run(self) -> dict:
+        c, s = self.config, self.setup
+        state, meta = self._start()
+        learner = Learner(c, s.model_config, s.mesh, jax.tree.map(lambda x: x.sharding, state))
+        publish_dir = os.path.join(self.workdir, "weights")
+        step = meta["rl_step"]
+        found = weights.latest(publish_dir)
+        if found is None or found[0] < step:
+            weights.publish(publish_dir, step, s.model_config, state.params)
+        reader = BufferReader(self.buffer_dir, cursor=meta["cursor"],
+                              max_staleness=c.train.max_staleness,
+                              retention="keep" if c.buffer.keep_consumed else "delete")
+        from espo_jax.data.online_filter import OnlineFilter
+
+        online = OnlineFilter(c.zve.online_filter)
+        self.procs = start_workers(c, self.workdir)
+        try:
+            while step < c.train.steps:
+                t_step = time.time()
+                result = online.collect(c.rollout.prompts_per_step,
+                                        lambda n, v=step: self._groups(reader, n, v))
+                zmetrics = step_metrics(result.generated, result.batch,
+                                        zvp_enabled=c.zve.zvp.enabled)
+                zmetrics.update(online.metrics(result))
+                groups = []
+                for b in result.batch:
+                    for r, reward in zip(b["group"].responses, b["rewards"], strict=True):
+                        r.reward = float(reward)
+                    groups.append(b["group"])
+                lags = [step - g.policy_version for g in groups]
+                state, lmetrics = learner.update(state, groups)
+                step += 1
+                weights.publish(publish_dir, step, s.model_config, state.params)
+                self.record_step(meta, step, zmetrics, lmetrics)
+                outcomes = [r.outcome for g in groups for r in g.responses]
+                metrics = {**zmetrics, **lmetrics,
+                           "rollout/accuracy": float(np.mean(outcomes)) if outcomes else 0.0,
+                           "async/staleness_max": float(max(lags, default=0)),
+                           "async/staleness_mean": float(np.mean(lags)) if lags else 0.0,
+                           "async/stale_dropped": float(reader.stats["stale_dropped"]),
+                           "time/step_s": time.time() - t_step}
+                self.logger.write(step, metrics, phase="rl")
+                logging.info("async RL step %d/%d: rollout acc %.3f, staleness <= %d, %.1f s",
+                             step, c.train.steps, metrics["rollout/accuracy"],
+                             int(metrics["async/staleness_max"]), metrics["time/step_s"])
+                if step % c.checkpoint.every == 0 or step == c.train.steps:
+                    meta.update(cursor=reader.cursor)
+                    self.ckpt.save(step, state, meta)
+                    self.ckpt.wait()
+                    reader.commit(meta["cursor"])
+        finally:
+            codes = stop_workers(self.procs)
+            reader.close()
+        meta["worker_exit_codes"] = codes
+        summary = self.finish(state, meta)
+        summary["worker_exit_codes"] = codes
+        summary["stale_dropped"] = int(reader.stats["stale_dropped"])
+        return summary
+
+
+def run_async(config, workdir: str) -> dict:
+    return AsyncRun(config, workdir).run()
