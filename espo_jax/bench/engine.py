@@ -1,0 +1,329 @@
+"""Rollout engine benchmark: each throughput idea against itself switched off, in one run.
+
+`python -m espo_jax.bench engine [--quick] [--out FILE.json]`
+
+On one model (`small`; `tiny` with --quick) and one set of prompts:
+1. Generation throughput (generated tokens/s) of the embedded engine against transformers
+   `generate` (torch CPU) on the same weights exported with `hf_io.save_pretrained`: same batch,
+   prompt length and number of new tokens (no stop token, sampling at temperature 1), timed
+   alternately and the medians taken. The engine also records log-probs and routing; HF does
+   not. Greedy outputs of both are compared as a check that it is the same model.
+2. Admission: FIFO against longest-predicted-first on requests of long-tailed lengths (the
+   predictor has seen each prompt's length once, with +-20% noise): idle-slot fraction and wall.
+3. Reward overlap: a reward of realistic cost (20 ms per response: a sandboxed verifier or a
+   remote judge) scored (a) after generation, one by one; (b) after generation, in a 4-process
+   pool; (c) in the pool while decoding goes on.
+4. Precision: fp32 / FP8 (and bf16) engine log-probs against the fp32 learner, without and with
+   router replay: mean and max |delta logp|, the k3 KL estimate and routing flips.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from espo_jax.bench import format_table
+from espo_jax.bench.model import interleaved_medians
+from espo_jax.models import get_preset, hf_io, init_params
+from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.rewards.pool import RewardPool
+from espo_jax.rollout import mismatch, scheduling
+from espo_jax.rollout.engine import Engine, Request
+from espo_jax.rollout.sampling import SamplingConfig
+
+_TOK = CharTokenizer()
+REWARD_COST_S = 0.02
+
+
+def costly_reward(text: str, answer: Any) -> bool:
+    """Exact match after a 20 ms wait (the cost of a sandboxed or remote verifier)."""
+    time.sleep(REWARD_COST_S)
+    return text.strip() == str(answer)
+
+
+def decode(ids) -> str:
+    return _TOK.decode(ids, errors="replace")
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=length).tolist() for _ in range(n)]
+
+
+def _hf_generate(config, params, prompts: list[list[int]], new_tokens: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as path:
+        hf_io.save_pretrained(config, params, path, dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.as_tensor(np.array(prompts), dtype=torch.long)
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+
+    def generate(sample: bool = True) -> np.ndarray:
+        with torch.no_grad():
+            if sample:
+                out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **kw)
+            else:
+                out = model.generate(ids, do_sample=False, **kw)
+        return out[:, ids.shape[1] :].numpy()
+
+    return generate, torch.get_num_threads()
+
+
+def throughput(config, params, engines, batch, prompt_len, new_tokens, repeats) -> dict:
+    prompts = _prompts(batch, prompt_len, config.vocab_size)
+    reqs = [Request(f"t{i}", p) for i, p in enumerate(prompts)]
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
+    hf, threads = _hf_generate(config, params, prompts, new_tokens)
+    ours = engines["fp32"].generate_groups(reqs, sampling=greedy)
+    theirs = hf(sample=False)
+    agree = np.mean(
+        [np.array_equal(g.responses[0].tokens, t) for g, t in zip(ours, theirs, strict=True)]
+    )
+    fns = {
+        name: (lambda e=e: e.generate_groups(reqs, sampling=sampled, rng=jax.random.key(0)))
+        for name, e in engines.items()
+    }
+    fns["transformers"] = hf
+    for fn in fns.values():
+        fn()  # warm-up (compiles)
+    secs = interleaved_medians(fns, repeats)
+    n = batch * new_tokens
+    return {
+        "tokens_per_s": {k: n / v for k, v in secs.items()},
+        "greedy_agreement": agree,
+        "torch_threads": threads,
+        "tokens": n,
+    }
+
+
+def admission(engine, config, n_prompts, n_samples, max_len, repeats, seed=1) -> dict:
+    rng = np.random.default_rng(seed)
+    long = rng.random(n_prompts) < 0.25  # a quarter of the prompts get long answers
+    lengths = np.where(
+        long,
+        rng.integers(max_len // 2, max_len + 1, n_prompts),
+        rng.integers(4, max_len // 6 + 5, n_prompts),
+    )
+    prompts = _prompts(n_prompts, 8, config.vocab_size, seed)
+    reqs = [
+        Request(f"a{i}", p, max_new_tokens=int(n))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    predictor = scheduling.LengthPredictor()
+    for r, n in zip(reqs, lengths, strict=True):  # one earlier epoch, +-20% noise
+        predictor.observe(r.prompt_id, [max(1, round(n * rng.uniform(0.8, 1.2)))])
+
+    def go(policy: str) -> dict:
+        engine.generate_groups(reqs, n_samples=n_samples, admission=policy, predictor=predictor)
+        return dict(engine.last_stats)
+
+    go("fifo")  # warm-up: compiles for these shapes
+    stats: dict[str, list[dict]] = {"fifo": [], "longest_first": []}
+    for _ in range(repeats):  # alternately, so both see the same machine load
+        for policy in stats:
+            stats[policy].append(go(policy))
+    return {
+        policy: {
+            "idle_slot_frac": runs[0]["engine/idle_slot_frac"],  # deterministic
+            "decode_steps": runs[0]["engine/decode_steps"],
+            "wall_s": float(np.median([r["engine/wall_s"] for r in runs])),
+        }
+        for policy, runs in stats.items()
+    }
+
+
+def overlap(engine, config, n_prompts, n_samples, new_tokens, workers=4) -> dict:
+    reqs = [Request(f"r{i}", p) for i, p in enumerate(_prompts(n_prompts, 8, config.vocab_size))]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+    answer = "42"
+    out = {}
+    engine.generate_groups(reqs, n_samples=n_samples, sampling=sampling)  # warm-up
+    start = time.perf_counter()
+    groups = engine.generate_groups(reqs, n_samples=n_samples, sampling=sampling)
+    for g in groups:
+        for r in g.responses:
+            costly_reward(decode(r.tokens), answer)
+    out["after, serial"] = time.perf_counter() - start
+    with RewardPool(costly_reward, num_workers=workers, timeout_s=10, detokenize=decode) as pool:
+        pool.submit("warm", 0, "x", answer)
+        pool.wait_group("warm", 1)
+        for mode in ("after, pool", "overlapped, pool"):
+            start = time.perf_counter()
+
+            def submit(g, tag=mode):
+                for j, r in enumerate(g.responses):
+                    pool.submit((tag, g.request_index), j, r.tokens.tolist(), answer)
+
+            groups = engine.generate_groups(
+                reqs,
+                n_samples=n_samples,
+                sampling=sampling,
+                on_group=submit if mode.startswith("overlapped") else None,
+            )
+            if mode.startswith("after"):
+                for g in groups:
+                    submit(g)
+            for g in groups:
+                pool.wait_group((mode, g.request_index), n_samples)
+            out[mode] = time.perf_counter() - start
+    return out
+
+
+def _scale_experts(params: dict, factor: float) -> dict:
+    return {
+        name: (
+            {
+                **layer,
+                "moe": {
+                    **layer["moe"],
+                    **{w: layer["moe"][w] * factor for w in ("wi_gate", "wi_up", "wo")},
+                },
+            }
+            if "moe" in layer
+            else layer
+        )
+        for name, layer in params.items()
+    }
+
+
+def precision_gap(config, params, engines, n_prompts, n_samples, new_tokens) -> list[dict]:
+    reqs = [Request(f"m{i}", p) for i, p in enumerate(_prompts(n_prompts, 8, config.vocab_size))]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+    rows = []
+    variants = [("init", params), ("experts x4", _scale_experts(params, 4.0))]
+    for label, learner in variants:
+        for name, engine in engines.items():
+            engine.load_params(learner)
+            groups = engine.generate_groups(
+                reqs, n_samples=n_samples, sampling=sampling, rng=jax.random.key(7)
+            )
+            plain = mismatch.measure_mismatch(config, learner, groups, replay=False)
+            replay = mismatch.measure_mismatch(config, learner, groups, replay=True)
+            rows.append({"model": label, "precision": name, "plain": plain, "replay": replay})
+        for engine in engines.values():
+            engine.load_params(params)
+    return rows
+
+
+def run(quick: bool) -> dict:
+    jax.config.update(
+        "jax_compilation_cache_dir", os.path.expanduser("~/.cache/espo_jax/jax_cache")
+    )
+    preset = "tiny" if quick else "small"
+    config = get_preset(preset)
+    params = jax.device_get(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
+    slots, cache = (8, 64) if quick else (16, 128)
+    precisions = ("fp32", "fp8") if quick else ("fp32", "fp8", "bf16")
+    new = 16 if quick else 96
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new)
+    engines = {
+        p: Engine(
+            config,
+            params,
+            sampling=sampling,
+            max_slots=slots,
+            max_cache_len=cache,
+            precision=p,
+            steps_per_sync=8,
+        )
+        for p in precisions
+    }
+    t = throughput(
+        config,
+        params,
+        {k: engines[k] for k in ("fp32", "fp8")},
+        slots,
+        16,
+        new,
+        repeats=1 if quick else 5,
+    )
+    a = admission(
+        engines["fp32"],
+        config,
+        12 if quick else 48,
+        2 if quick else 4,
+        cache - 16,
+        repeats=1 if quick else 3,
+    )
+    o = overlap(engines["fp32"], config, 8 if quick else 32, 4, 16 if quick else 32)
+    m = precision_gap(
+        config, params, engines, 8 if quick else 32, 2 if quick else 4, 16 if quick else 48
+    )
+
+    print(
+        f"\n### Engine throughput ({preset}, batch {slots}, prompt 16, {new} new tokens, "
+        f"torch threads {t['torch_threads']}; greedy outputs identical for "
+        f"{t['greedy_agreement']:.0%} of rows)\n"
+    )
+    tps = t["tokens_per_s"]
+    print(
+        format_table(
+            ["generator", "tokens/s", "vs transformers"],
+            [[k, v, v / tps["transformers"]] for k, v in tps.items()],
+        )
+    )
+    print("\n### Admission (continuous batching, long-tailed lengths)\n")
+    print(
+        format_table(
+            ["admission", "idle-slot fraction", "decode steps", "wall s"],
+            [[k, v["idle_slot_frac"], v["decode_steps"], v["wall_s"]] for k, v in a.items()],
+        )
+    )
+    print(f"\n### Reward scoring ({REWARD_COST_S * 1e3:.0f} ms per response)\n")
+    print(
+        format_table(
+            ["scoring", "wall s", "vs after, serial"],
+            [[k, v, o["after, serial"] / v] for k, v in o.items()],
+        )
+    )
+    print("\n### Engine log-probs vs the fp32 learner (temperature 1)\n")
+    print(
+        format_table(
+            [
+                "model",
+                "engine",
+                "mean abs dlogp",
+                "max",
+                "KL k3",
+                "flip rate",
+                "mean at flips",
+                "mean, replay",
+                "at flips, replay",
+            ],
+            [
+                [
+                    r["model"],
+                    r["precision"],
+                    r["plain"]["mismatch/logp_abs_mean"],
+                    r["plain"]["mismatch/logp_abs_max"],
+                    r["plain"]["mismatch/kl_k3"],
+                    r["plain"]["moe/routing_flip_rate"],
+                    r["plain"]["mismatch/logp_abs_mean_at_flips"],
+                    r["replay"]["mismatch/logp_abs_mean"],
+                    r["replay"]["mismatch/logp_abs_mean_at_flips"],
+                ]
+                for r in m
+            ],
+        )
+    )
+    return {
+        "preset": preset,
+        "throughput": t,
+        "admission": a,
+        "reward_overlap_s": o,
+        "precision": m,
+    }
