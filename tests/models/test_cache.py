@@ -12,25 +12,27 @@ from espo_jax.models import forward, get_preset, init_cache
 
 TINY = get_preset("tiny")
 S = 24  # cache slots
-LENS = (14, 10)  # full lengths of the two rows
-PROMPTS = (6, 3)  # prompt lengths: the rows decode at different positions
+LENS = (12, 9)  # full lengths of the two rows
+PROMPTS = (5, 3)  # prompt lengths: the rows decode at different positions
+POSITIONS = jnp.broadcast_to(jnp.arange(12), (2, 12))
 
 
 @pytest.fixture(scope="module")
-def step():
-    """One jitted function for prefill ([2, 6]) and decode ([2, 1]) calls."""
-    return jax.jit(functools.partial(forward, TINY))
+def step(jit):
+    """One jitted function for prefill ([2, 5]) and decode ([2, 1]) calls."""
+    return jit(functools.partial(forward, TINY))
 
 
 @pytest.fixture(scope="module")
 def seqs():
-    return jax.random.randint(jax.random.key(9), (2, 14), 0, TINY.vocab_size)
+    return jax.random.randint(jax.random.key(9), (2, 12), 0, TINY.vocab_size)
 
 
 @pytest.fixture(scope="module")
 def reference(fwd, tiny_params, seqs):
-    mask = jnp.arange(14)[None] < jnp.array(LENS)[:, None]
-    return fwd(TINY, tiny_params, seqs, attention_mask_BxT=mask)
+    """Teacher-forced forward of both rows (row 1 right-padded)."""
+    mask = jnp.arange(12)[None] < jnp.array(LENS)[:, None]
+    return fwd(TINY, tiny_params, seqs, positions_BxT=POSITIONS, attention_mask_BxT=mask)
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +41,17 @@ def decoded(step, tiny_params, seqs):
     logits and experts per (row, position) and the final cache and mask."""
     cache = init_cache(TINY, 2, S)
     cache_mask = np.zeros((2, S), bool)
-    prompt_mask = np.arange(6)[None] < np.array(PROMPTS)[:, None]
-    out = step(tiny_params, seqs[:, :6], attention_mask_BxT=prompt_mask, cache=cache,
+    prompt_mask = np.arange(5)[None] < np.array(PROMPTS)[:, None]
+    out = step(tiny_params, seqs[:, :5], attention_mask_BxT=prompt_mask, cache=cache,
                cache_mask_BxS=cache_mask)
     logits = {(b, t): out.logits[b, t] for b in range(2) for t in range(PROMPTS[b])}
     experts = {(b, t): out.routed_experts[b, t] for b in range(2) for t in range(PROMPTS[b])}
     cache = out.cache
-    cache_mask[0, :6], cache_mask[1, :3] = True, True
+    cache_mask[0, :5], cache_mask[1, :3] = True, True
     pos = np.array(PROMPTS)
     while (pos < np.array(LENS)).any():
         active = pos < np.array(LENS)
-        p = np.minimum(pos, 13)
+        p = np.minimum(pos, 11)
         out = step(tiny_params, seqs[np.arange(2), p][:, None], positions_BxT=p[:, None],
                    attention_mask_BxT=active[:, None], cache=cache, cache_mask_BxS=cache_mask)
         cache = out.cache
@@ -80,8 +82,9 @@ def test_cached_decode_equals_full_forward(decoded, reference, step):
 
 def test_padding_tokens_are_not_written(decoded):
     _, _, cache, cache_mask = decoded
-    # row 1 holds 10 tokens; slots 10.. were never written (still zero)
-    np.testing.assert_array_equal(np.asarray(cache["layers_0"]["k"][1, 10:]), 0.0)
+    # row 1 holds 9 tokens; slots 9.. were never written (still zero)
+    np.testing.assert_array_equal(np.asarray(cache["layers_0"]["k"][1, 9:]), 0.0)
+    assert np.abs(np.asarray(cache["layers_0"]["k"][1, :9])).min(axis=(1, 2)).all()
     np.testing.assert_array_equal(cache_mask.sum(1), LENS)
 
 
@@ -91,13 +94,15 @@ def test_slot_reuse_for_a_new_sequence(step, decoded, tiny_params, fwd):
     _, _, cache, cache_mask = decoded
     cache_mask = cache_mask.copy()
     cache_mask[1] = False
-    new = jax.random.randint(jax.random.key(10), (1, 6), 0, TINY.vocab_size)
-    tokens = jnp.concatenate([jnp.zeros((1, 6), jnp.int32), new])
-    active = np.array([[False] * 6, [True] * 6])
+    new = jax.random.randint(jax.random.key(10), (1, 5), 0, TINY.vocab_size)
+    tokens = jnp.concatenate([jnp.zeros((1, 5), jnp.int32), new])
+    active = np.array([[False] * 5, [True] * 5])
     out = step(tiny_params, tokens, attention_mask_BxT=active, cache=cache,
                cache_mask_BxS=cache_mask)
-    fresh = fwd(TINY, tiny_params, new)
-    np.testing.assert_allclose(out.logits[1], fresh.logits[0], atol=1e-5)
+    # reference: the new sequence alone (right-padded to the shared [2, 12] shape)
+    fresh = fwd(TINY, tiny_params, jnp.zeros((2, 12), jnp.int32).at[0, :5].set(new[0]),
+                positions_BxT=POSITIONS, attention_mask_BxT=POSITIONS < 5)
+    np.testing.assert_allclose(out.logits[1], fresh.logits[0, :5], atol=1e-5)
     for i in range(TINY.n_layers):
         np.testing.assert_array_equal(out.cache[f"layers_{i}"]["k"][0],
                                       cache[f"layers_{i}"]["k"][0])

@@ -149,24 +149,23 @@ def test_causal(params, tokens, fwd):
 
 
 def test_left_padding_with_attention_mask(params, tokens, fwd):
-    """A row left-padded by 3 (positions counted from its first real token) gives the
-    unpadded row's logits on its real tokens, whatever the padding ids are."""
-    real = tokens[:1, :9]
-    pad = jnp.concatenate([jnp.full((1, 3), 5), real], axis=1)
-    mask = jnp.arange(12)[None] >= 3
-    positions = jnp.maximum(jnp.arange(12)[None] - 3, 0)
-    ref = fwd(TINY, params, real).logits
-    out = fwd(TINY, params, pad, positions_BxT=positions, attention_mask_BxT=mask)
-    np.testing.assert_allclose(out.logits[:, 3:], ref, atol=1e-5)
-    pad2 = pad.at[:, :3].set(77)
-    out2 = fwd(TINY, params, pad2, positions_BxT=positions, attention_mask_BxT=mask)
-    np.testing.assert_allclose(out2.logits[:, 3:], ref, atol=1e-5)
+    """Row 1 = 3 padding tokens + row 0's first 9 tokens, positions counted from its first
+    real token: its real tokens get row 0's logits, whatever the padding ids are."""
+    padded = tokens.at[1].set(jnp.concatenate([jnp.full(3, 5), tokens[0, :9]]))
+    mask = jnp.stack([jnp.ones(12, bool), jnp.arange(12) >= 3])
+    positions = jnp.stack([jnp.arange(12), jnp.maximum(jnp.arange(12) - 3, 0)])
+    out = fwd(TINY, params, padded, positions_BxT=positions, attention_mask_BxT=mask)
+    np.testing.assert_allclose(out.logits[1, 3:], out.logits[0, :9], atol=1e-5)
+    out2 = fwd(TINY, params, padded.at[1, :3].set(77), positions_BxT=positions,
+               attention_mask_BxT=mask)
+    np.testing.assert_allclose(out2.logits[1, 3:], out.logits[0, :9], atol=1e-5)
+    np.testing.assert_array_equal(out2.logits[0], out.logits[0])
 
 
-def test_gqa_equals_mha_with_repeated_kv_heads(tokens, fwd, init):
+def test_gqa_equals_mha_with_repeated_kv_heads(params, tokens, fwd):
     """A GQA model (K=2) equals the MHA model (K=H=4) whose k/v kernels repeat each kv head
     for its H/K = 2 query heads."""
-    gqa = init(TINY, jax.random.key(3))
+    gqa = params
     mha_cfg = TINY.replace(n_kv_heads=4)
     mha = jax.tree_util.tree_map(lambda x: x, gqa)
     for i in range(2):
@@ -185,30 +184,35 @@ def test_return_hidden_and_lm_head_kernel(params, tokens, fwd):
     np.testing.assert_allclose(out.hidden @ lm_head_kernel(TINY, params), logits, atol=1e-5)
 
 
-def test_tied_embeddings_use_the_embedding(tokens, fwd, init):
-    cfg = TINY.replace(tie_embeddings=True)
-    p = init(cfg, jax.random.key(0))
-    out = fwd(cfg, p, tokens, return_hidden=True)
-    np.testing.assert_allclose(lm_head_kernel(cfg, p), p["embed"]["embedding"].T)
+VARIANT = TINY.replace(moe_every=2, shared_expert_d_ff=24, tie_embeddings=True,
+                       qkv_bias=True, qk_norm=False)
+
+
+def test_variant_forward(tokens, fwd, random_params):
+    """Dense MLP in layer 0 and MoE in layer 1 (moe_every=2), a shared expert, q/k/v biases,
+    no q/k norm, tied embeddings: the LM head is the embedding transposed."""
+    p = random_params(VARIANT)
+    out = fwd(VARIANT, p, tokens, return_hidden=True)
+    assert out.routed_experts.shape == (2, 12, 1, 2) and len(out.router_logits) == 1
+    np.testing.assert_allclose(lm_head_kernel(VARIANT, p), p["embed"]["embedding"].T)
     np.testing.assert_allclose(out.logits, out.hidden @ p["embed"]["embedding"].T, atol=1e-5)
+    # The shared expert is on the path: zeroing its gate projection changes the output;
+    # zeroing its down projection instead gives the same change (both remove it entirely).
+    def without(name):
+        q = jax.tree_util.tree_map(lambda x: x, p)
+        q["layers_1"]["moe"]["shared_expert"][name]["kernel"] *= 0.0
+        return fwd(VARIANT, q, tokens, return_hidden=True).logits
+
+    no_gate, no_down = without("gate_proj"), without("down_proj")
+    assert np.abs(no_down - out.logits).max() > 1e-4
+    np.testing.assert_allclose(no_gate, no_down, atol=1e-6)
 
 
-def test_dense_model_has_no_routing(tokens, fwd, init):
+def test_dense_model_has_no_routing(tokens, fwd, random_params):
     cfg = TINY.replace(moe_every=0)
-    out = fwd(cfg, init(cfg, jax.random.key(0)), tokens)
+    out = fwd(cfg, random_params(cfg), tokens)
     assert out.routed_experts.shape == (2, 12, 0, 2) and out.router_logits == ()
-    assert out.aux_loss == 0.0
-
-
-def test_shared_expert_and_dense_every_other_layer_change_output(tokens, fwd, init):
-    cfg = TINY.replace(moe_every=2, shared_expert_d_ff=24)
-    p = init(cfg, jax.random.key(0))
-    out = fwd(cfg, p, tokens)
-    assert out.routed_experts.shape == (2, 12, 1, 2)
-    # zeroing the shared expert's down projection removes exactly its contribution
-    p0 = jax.tree_util.tree_map(lambda x: x, p)
-    p0["layers_1"]["moe"]["shared_expert"]["down_proj"] = {"kernel": jnp.zeros((24, 64))}
-    assert np.abs(fwd(cfg, p0, tokens).logits - out.logits).max() > 1e-4
+    assert out.aux_loss == 0.0 and np.isfinite(out.logits).all()
 
 
 # ---- router and dispatch ------------------------------------------------------------------------
@@ -253,33 +257,38 @@ def moe_inputs():
     return x, idx, gates, w
 
 
-def test_exact_dispatches_agree(moe_inputs):
+def test_exact_dispatches_agree(moe_inputs, jit):
     """Dropless (blocks of 1, 8, 64 rows), ragged_dot, and capacity with room for every
     assignment all equal every-expert-on-every-token weighted by the sparse gates."""
+
+    def all_dispatches(x, idx, gates, w):
+        out = {f"dropless{b}": moe.dropless_dispatch(x, idx, gates, *w, block=b)
+               for b in (1, 8, 64)}
+        out["ragged"] = moe.ragged_dispatch(x, idx, gates, *w)
+        # capacity factor E = 6: C = ceil(111/6 * 6) = 111 = every assignment fits
+        out["capacity"], out["dropped"] = moe.capacity_dispatch(x, idx, gates, *w, 6.0)
+        out["dense"] = moe.dense_dispatch(x, idx, gates, *w)
+        return out
+
     x, idx, gates, w = moe_inputs
-    ref = jax.jit(moe.dense_dispatch)(x, idx, gates, *w)
+    out = jit(all_dispatches)(x, idx, gates, w)
+    ref = out.pop("dense")
     # sanity of the reference: token 0 by hand, sum_j gate_j * SwiGLU_{e_j}(x_0)
     by_hand = sum(
         gates[0, j] * moe.expert_ffn(x[None, :1], *(wi[idx[0, j]][None] for wi in w))[0, 0]
         for j in range(3))
     np.testing.assert_allclose(ref[0], by_hand, atol=1e-6)
-    for block in (1, 8, 64):
-        out = jax.jit(moe.dropless_dispatch, static_argnames="block")(x, idx, gates, *w,
-                                                                      block=block)
-        np.testing.assert_allclose(out, ref, atol=1e-5)
-    np.testing.assert_allclose(jax.jit(moe.ragged_dispatch)(x, idx, gates, *w), ref, atol=1e-5)
-    # capacity factor E = 6: C = ceil(111/6 * 6) = 111 = every assignment fits
-    out, dropped = jax.jit(moe.capacity_dispatch, static_argnums=6)(x, idx, gates, *w, 6.0)
-    np.testing.assert_allclose(out, ref, atol=1e-5)
-    assert dropped == 0.0
+    assert out.pop("dropped") == 0.0
+    for name, y in out.items():
+        np.testing.assert_allclose(y, ref, atol=1e-5, err_msg=name)
 
 
-def test_capacity_dispatch_drops_excess_in_token_order(moe_inputs):
+def test_capacity_dispatch_drops_excess_in_token_order(moe_inputs, jit):
     """All 37 tokens to experts (0, 1, 2): A = 111, C = ceil(111/6 * 1.0) = 19 per expert, so
     tokens 0..18 keep all three experts, tokens 19..36 lose all: dropped = 54/111."""
     x, _, gates, w = moe_inputs
     idx = jnp.broadcast_to(jnp.array([0, 1, 2]), (37, 3))
-    out, dropped = jax.jit(moe.capacity_dispatch, static_argnums=6)(x, idx, gates, *w, 1.0)
+    out, dropped = jit(moe.capacity_dispatch, static_argnums=6)(x, idx, gates, *w, 1.0)
     ref = moe.dense_dispatch(x, idx, gates, *w)
     np.testing.assert_allclose(dropped, 54 / 111, rtol=1e-6)
     np.testing.assert_allclose(out[:19], ref[:19], atol=1e-5)

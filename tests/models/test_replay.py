@@ -11,22 +11,27 @@ from espo_jax.models import forward, get_preset, moe
 TINY = get_preset("tiny")
 
 
+# All calls here pass `routed_experts` (the sentinel -1 where routing is free), so each config
+# compiles one forward; shapes match the other model tests' (2, 12) to share compilations.
+NO_REPLAY = jnp.full((2, 12, 2, 2), -1, jnp.int32)
+
+
 @pytest.fixture(scope="module")
 def tokens():
-    return jax.random.randint(jax.random.key(11), (2, 10), 0, TINY.vocab_size)
+    return jax.random.randint(jax.random.key(11), (2, 12), 0, TINY.vocab_size)
 
 
 @pytest.mark.parametrize("norm", [True, False])
 def test_replay_reproduces_logits_exactly(fwd, tiny_params, tokens, norm):
     cfg = TINY.replace(norm_topk_prob=norm)
-    first = fwd(cfg, tiny_params, tokens)
+    first = fwd(cfg, tiny_params, tokens, routed_experts_BxTxMxk=NO_REPLAY)
     again = fwd(cfg, tiny_params, tokens, routed_experts_BxTxMxk=first.routed_experts)
     np.testing.assert_array_equal(again.logits, first.logits)
     np.testing.assert_array_equal(again.routed_experts, first.routed_experts)
 
 
 def test_forced_experts_change_logits_and_are_reported(fwd, tiny_params, tokens):
-    first = fwd(TINY, tiny_params, tokens)
+    first = fwd(TINY, tiny_params, tokens, routed_experts_BxTxMxk=NO_REPLAY)
     # every token's k=2 experts shifted by +3 (mod 8): a different set for every token
     forced = (first.routed_experts + 3) % TINY.n_experts
     out = fwd(TINY, tiny_params, tokens, routed_experts_BxTxMxk=forced)
@@ -37,7 +42,7 @@ def test_forced_experts_change_logits_and_are_reported(fwd, tiny_params, tokens)
 
 
 def test_sentinel_routes_normally_per_token(fwd, tiny_params, tokens):
-    first = fwd(TINY, tiny_params, tokens)
+    first = fwd(TINY, tiny_params, tokens)  # no routed_experts at all
     forced = (first.routed_experts + 3) % TINY.n_experts
     # row 0: sentinel everywhere (route normally); row 1: forced
     replay = forced.at[0].set(-1)
@@ -59,9 +64,9 @@ def test_replayed_gate_weights_by_hand():
 
 
 @pytest.mark.parametrize("norm", [True, False])
-def test_router_gradient_is_nonzero_under_replay(tiny_params, tokens, norm):
+def test_router_gradient_is_nonzero_under_replay(tiny_params, tokens, norm, jit):
     cfg = TINY.replace(norm_topk_prob=norm, aux_loss_coef=0.0)  # gradient only via the gates
-    replay = jnp.broadcast_to(jnp.array([2, 5]), (2, 10, 2, 2))  # experts 2 and 5 everywhere
+    replay = jnp.broadcast_to(jnp.array([2, 5]), (2, 12, 2, 2))  # experts 2 and 5 everywhere
 
     def loss(router_kernel):
         p = dict(tiny_params)
@@ -71,7 +76,7 @@ def test_router_gradient_is_nonzero_under_replay(tiny_params, tokens, norm):
         logp = jax.nn.log_softmax(out.logits)
         return -jnp.mean(jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], -1))
 
-    g = jax.jit(jax.grad(loss))(tiny_params["layers_1"]["moe"]["router"]["kernel"])
+    g = jit(jax.grad(loss))(tiny_params["layers_1"]["moe"]["router"]["kernel"])
     assert np.isfinite(g).all()
     assert np.abs(g).max() > 1e-6
     # With norm_topk_prob the gates are exp(l_i) / (exp(l_2) + exp(l_5)): they depend on the

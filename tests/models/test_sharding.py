@@ -64,20 +64,22 @@ def test_expert_weights_are_split_on_the_expert_axis(sharded_params):
 
 
 def test_sharded_init_equals_single_device_init(sharded_params, tiny_params):
-    # same key and same (partitionable) RNG: the same values, only placed differently
+    # same key and same (partitionable) RNG bits: the same values, only placed differently
+    # (up to float rounding of the bits-to-normal transform: tiny_params is compiled with
+    # XLA optimisation level 0, see conftest.py)
     for a, b in zip(jax.tree_util.tree_leaves(sharded_params),
                     jax.tree_util.tree_leaves(tiny_params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
 
 
-def test_forward_and_grads_match_single_device(mesh, sharded_params, tiny_params, tokens):
+def test_forward_and_grads_match_single_device(mesh, sharded_params, tiny_params, tokens, jit):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (l1, out1), g1 = jax.jit(grad_fn)(tiny_params, tokens)
+    (l1, out1), g1 = jit(grad_fn)(tiny_params, tokens)
 
     shardings = sharding.param_shardings(TINY, mesh)
     tok = jax.device_put(tokens, sharding.batch_sharding(mesh))
 
-    step = jax.jit(grad_fn, out_shardings=((None, None), shardings))
+    step = jit(grad_fn, out_shardings=((None, None), shardings))
     with sharding.activation_sharding(mesh):  # traced here: the constraints apply
         (l8, out8), g8 = step(sharded_params, tok)
         # residual stream constrained after the embedding and each of the 2 blocks (forward)
