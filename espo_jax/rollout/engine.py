@@ -20,30 +20,36 @@ FIFO and length-aware admission give the same groups, returned in request order.
 Precision: "fp32", "bf16" (compute and weights), or "fp8" (E4M3 weights with per-channel scales
 from `espo_jax.models.quant`, dequantised on the fly; router and LM head stay fp32). MoE dispatch
 is always exact (a "capacity" config is switched to "dropless": dropping tokens would make a
-sample depend on its batch neighbours).
+sample depend on its batch neighbours). The jit-compiled pieces are in
+`espo_jax.rollout.decode`; this module holds the `Engine` and its continuous-batching driver.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from espo_jax import models
-from espo_jax.models import quant
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout import scheduling
-from espo_jax.rollout.sampling import SamplingConfig, sample
-
-PRECISIONS = ("fp32", "bf16", "fp8")
-FREE, ACTIVE, DONE = 0, 1, 2  # slot phases
+from espo_jax.rollout.decode import (  # noqa: F401  (re-exported: the engine's public types)
+    DONE,
+    PRECISIONS,
+    DecodeState,
+    Prefix,
+    SlotSampling,
+    engine_params,
+    generate_jit,
+    insert_jit,
+    prefill_jit,
+)
+from espo_jax.rollout.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,180 +81,8 @@ class GenerationGroup:
     responses: list[Generation]
 
 
-@flax.struct.dataclass
-class Prefix:
-    """A prefilled prompt: its KV cache [1, P, K, A] per layer (P = padded length)."""
-
-    cache: dict
-    length: jax.Array  # int32 [], true prompt length
-    tokens_P: jax.Array  # int32 [P]
-    logits_V: jax.Array  # float32 [V] at the last prompt token
-    experts_PxMxk: jax.Array  # int16, -1 at padding
-
-
-@flax.struct.dataclass
-class SlotSampling:
-    """A `SamplingConfig` as arrays, for `insert`."""
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    max_new: jax.Array
-    stop_N: jax.Array
-
-
-@flax.struct.dataclass
-class DecodeState:
-    """Everything about the B decode slots; S = max_cache_len."""
-
-    cache: dict  # per layer k, v [B, S, K, A]
-    cache_mask_BxS: jax.Array  # True = slot holds a real token of the row's sequence
-    tokens_BxS: jax.Array  # prompt then sampled tokens
-    logprobs_BxS: jax.Array  # at sampled positions
-    experts_BxSxMxk: jax.Array  # int16, -1 = no routing
-    pos_B: jax.Array  # position of the last token (the next one to feed)
-    prompt_len_B: jax.Array
-    phase_B: jax.Array  # FREE / ACTIVE / DONE
-    keys_B: jax.Array  # per-sample PRNG keys
-    temperature_B: jax.Array  # sampling settings per slot (arrays: changing them never
-    top_k_B: jax.Array  # recompiles)
-    top_p_B: jax.Array
-    max_new_B: jax.Array
-    stop_BxN: jax.Array  # stop token ids, -1 = unused entry
-    busy_steps: jax.Array  # slot-steps spent decoding (for the idle-slot fraction)
-
-
 def request_key(rng: jax.Array, seed: int, sample_idx: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(rng, seed), sample_idx)
-
-
-def engine_params(params: dict, config: ModelConfig, precision: str) -> tuple[dict, ModelConfig]:
-    """Learner parameters converted for the engine, and the engine's model config."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} unknown; choose one of {PRECISIONS}")
-    dispatch = "dropless" if config.dispatch == "capacity" else config.dispatch
-    if precision == "bf16":
-        cfg = config.replace(dtype="bfloat16", param_dtype="bfloat16", dispatch=dispatch)
-        cast = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        return jax.tree.map(cast, params), cfg
-    cfg = config.replace(dtype="float32", param_dtype="float32", dispatch=dispatch)
-    params = jax.tree.map(
-        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
-    )
-    if precision == "fp8":
-        params = quant.quantize_params(params, cfg)
-    return params, cfg
-
-
-# ---- pure, jit-compiled pieces ------------------------------------------------------------------
-def _prefill(config: ModelConfig, params: dict, tokens_1xP: jax.Array, length: jax.Array):
-    p = tokens_1xP.shape[1]
-    valid_1xP = jnp.arange(p)[None] < length
-    out = models.forward(
-        config,
-        params,
-        tokens_1xP,
-        attention_mask_BxT=valid_1xP,
-        cache=models.init_cache(config, 1, p),
-        cache_mask_BxS=jnp.zeros((1, p), bool),
-        return_logits=False,
-        return_hidden=True,
-    )
-    h_D = jax.lax.dynamic_index_in_dim(out.hidden[0], length - 1, keepdims=False)
-    logits_V = jnp.dot(h_D.astype(config.dtype), models.lm_head_kernel(config, params))
-    experts = jnp.where(valid_1xP[0, :, None, None], out.routed_experts[0], -1)
-    return Prefix(
-        out.cache, length, tokens_1xP[0], logits_V.astype(jnp.float32), experts.astype(jnp.int16)
-    )
-
-
-def _insert(prefix: Prefix, state: DecodeState, slot, key, sp: SlotSampling):
-    p, s = prefix.tokens_P.shape[0], state.tokens_BxS.shape[1]
-    n = prefix.length
-    cache = jax.tree.map(
-        lambda c, new: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (slot, 0, 0, 0)),
-        state.cache,
-        prefix.cache,
-    )
-    tok, lp = sample(
-        prefix.logits_V[None],
-        jax.random.fold_in(key, 0)[None],
-        sp.temperature[None],
-        sp.top_k[None],
-        sp.top_p[None],
-    )
-    in_prompt_P = jnp.arange(p) < n
-    tokens_S = jnp.zeros(s, jnp.int32).at[:p].set(jnp.where(in_prompt_P, prefix.tokens_P, 0))
-    experts = (
-        jnp.full(state.experts_BxSxMxk.shape[1:], -1, jnp.int16).at[:p].set(prefix.experts_PxMxk)
-    )
-    done = jnp.any(tok[0] == sp.stop_N) | (sp.max_new <= 1)
-    return state.replace(
-        cache=cache,
-        cache_mask_BxS=state.cache_mask_BxS.at[slot].set(jnp.arange(s) < n),
-        tokens_BxS=state.tokens_BxS.at[slot].set(tokens_S.at[n].set(tok[0])),
-        logprobs_BxS=state.logprobs_BxS.at[slot].set(jnp.zeros(s).at[n].set(lp[0])),
-        experts_BxSxMxk=state.experts_BxSxMxk.at[slot].set(experts),
-        pos_B=state.pos_B.at[slot].set(n),
-        prompt_len_B=state.prompt_len_B.at[slot].set(n),
-        phase_B=state.phase_B.at[slot].set(jnp.where(done, DONE, ACTIVE)),
-        keys_B=state.keys_B.at[slot].set(key),
-        temperature_B=state.temperature_B.at[slot].set(sp.temperature),
-        top_k_B=state.top_k_B.at[slot].set(sp.top_k),
-        top_p_B=state.top_p_B.at[slot].set(sp.top_p),
-        max_new_B=state.max_new_B.at[slot].set(sp.max_new),
-        stop_BxN=state.stop_BxN.at[slot].set(sp.stop_N),
-    )
-
-
-def _decode_step(config: ModelConfig, params: dict, state: DecodeState):
-    b, s = state.tokens_BxS.shape
-    rows = jnp.arange(b)
-    active_B = state.phase_B == ACTIVE
-    out = models.forward(
-        config,
-        params,
-        state.tokens_BxS[rows, state.pos_B][:, None],
-        positions_BxT=state.pos_B[:, None],
-        attention_mask_BxT=active_B[:, None],
-        cache=state.cache,
-        cache_mask_BxS=state.cache_mask_BxS,
-    )
-    fed_at = jnp.where(active_B, state.pos_B, s)  # s: dropped (inactive rows write nothing)
-    n_generated_B = state.pos_B - state.prompt_len_B + 1
-    keys_B = jax.vmap(jax.random.fold_in)(state.keys_B, n_generated_B)
-    tok_B, lp_B = sample(
-        out.logits[:, 0], keys_B, state.temperature_B, state.top_k_B, state.top_p_B
-    )
-    new_pos_B = state.pos_B + 1
-    write_at = jnp.where(active_B, new_pos_B, s)
-    stop_B = jnp.any(tok_B[:, None] == state.stop_BxN, axis=-1) | (
-        n_generated_B + 1 >= state.max_new_B
-    )
-    new_state = state.replace(
-        cache=out.cache,
-        cache_mask_BxS=state.cache_mask_BxS.at[rows, fed_at].set(True, mode="drop"),
-        tokens_BxS=state.tokens_BxS.at[rows, write_at].set(tok_B, mode="drop"),
-        logprobs_BxS=state.logprobs_BxS.at[rows, write_at].set(lp_B, mode="drop"),
-        experts_BxSxMxk=state.experts_BxSxMxk.at[rows, fed_at].set(
-            out.routed_experts[:, 0].astype(jnp.int16), mode="drop"
-        ),
-        pos_B=jnp.where(active_B, new_pos_B, state.pos_B),
-        phase_B=jnp.where(active_B & stop_B, DONE, state.phase_B),
-        busy_steps=state.busy_steps + jnp.sum(active_B),
-    )
-    return new_state, jnp.where(active_B, tok_B, -1)
-
-
-def _generate(config, n_steps: int, params: dict, state: DecodeState):
-    step = functools.partial(_decode_step, config, params)
-    return jax.lax.scan(lambda st, _: step(st), state, None, length=n_steps)
-
-
-# Module-level jits: engines with equal (hashable) configs share compiled code in memory.
-_prefill_jit = jax.jit(_prefill, static_argnums=0)
-_insert_jit = jax.jit(_insert, donate_argnums=(1,))
-_generate_jit = jax.jit(_generate, static_argnums=(0, 1), donate_argnums=(3,))
 
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -314,7 +148,7 @@ class Engine:
         p = self.prefill_len(n)
         tokens = np.zeros((1, p), np.int32)
         tokens[0, :n] = prompt_tokens
-        return _prefill_jit(self.config, params, jnp.asarray(tokens), jnp.int32(n))
+        return prefill_jit(self.config, params, jnp.asarray(tokens), jnp.int32(n))
 
     def init_decode_state(self) -> DecodeState:
         c, b, s = self.config, self.max_slots, self.max_cache_len
@@ -373,11 +207,11 @@ class Engine:
             if isinstance(sampling, SlotSampling)
             else self.slot_sampling(sampling or self.sampling)
         )
-        return _insert_jit(prefix, decode_state, jnp.int32(slot), key, sp)
+        return insert_jit(prefix, decode_state, jnp.int32(slot), key, sp)
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """`steps_per_sync` decode steps; tokens [steps, B] sampled (-1 where a slot was idle)."""
-        return _generate_jit(self.config, self.steps_per_sync, params, decode_state)
+        return generate_jit(self.config, self.steps_per_sync, params, decode_state)
 
     # -- driver ------------------------------------------------------------------------------
     def _check(self, requests: Sequence[Request], n_samples: int, sampling) -> None:
