@@ -278,3 +278,18 @@ def test_bad_requests_are_named(engine):
         engine_lib.Engine(CONFIG, precision="int4")
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate_groups(prompts(1), sampling=SamplingConfig(max_new_tokens=64))
+
+
+def test_engine_params_per_precision(params):
+    p32, c32 = engine_lib.engine_params(params, CONFIG.replace(dispatch="capacity"), "fp32")
+    assert c32.dispatch == "dropless"  # dropping tokens would couple a sample to its neighbours
+    pbf, cbf = engine_lib.engine_params(params, CONFIG, "bf16")
+    assert (cbf.dtype, cbf.param_dtype) == ("bfloat16", "bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(pbf)} == {jnp.dtype(jnp.bfloat16)}
+    p8, c8 = engine_lib.engine_params(params, CONFIG, "fp8")
+    assert c8.dtype == "float32"
+    moe = p8["layers_0"]["moe"]
+    assert moe["wi_gate"]["qvalue"].dtype == jnp.float8_e4m3fn  # experts in FP8
+    assert moe["router"]["kernel"].dtype == jnp.float32  # the router stays fp32
+    assert p8["layers_0"]["attn"]["q_proj"]["kernel"]["qvalue"].dtype == jnp.float8_e4m3fn
+    assert p8["lm_head"]["kernel"].dtype == jnp.float32
