@@ -1,29 +1,64 @@
 """Learning curves of a run: `python -m espo_jax.plot WORKDIR` writes PNGs to WORKDIR/plots.
 
-Reads WORKDIR/metrics.jsonl. One figure per topic; a topic is drawn when any of its metrics was
-logged: accuracy, reward, zero-variance fraction, train-inference mismatch, entropy, clipping.
+Reads WORKDIR/metrics.jsonl (RL and held-out eval records; the warm start has its own step
+axis and is left out). One figure per topic; a topic is drawn when any of its metrics was
+logged: accuracy, per-level accuracy, reward, zero-variance fraction, train-inference mismatch,
+entropy, clipping. A resumed run logs the steps after its last checkpoint twice; the later
+record of a step wins. Reads the file without JAX, so the command starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
-from espo_jax.train.metrics import read_jsonl
-
+# Topic -> metric names; a name ending in "*" matches every metric with that prefix.
 TOPICS = {
     "accuracy": ("eval/accuracy", "eval/pass_at_k", "rollout/accuracy"),
+    "accuracy_by_level": ("eval/accuracy_level*",),
     "reward": ("rollout/reward_mean", "rollout/reward_max"),
     "zero_variance": (
         "zve/zero_variance_frac_before",
-        "zve/zero_variance_frac_after",
+        "zve/zero_variance_frac_after_tiebreak",
+        "zve/zero_variance_frac_after_filter",
         "zve/wasted_token_frac",
     ),
     "mismatch": ("mismatch/mean_abs_logp", "mismatch/kl_k3", "moe/routing_flip_rate"),
     "entropy": ("entropy/mean",),
     "clipping": ("pg/clipfrac_low", "pg/clipfrac_high", "pg/clipfrac"),
 }
+PHASES = ("rl", "eval")
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a metrics JSONL file. A line that does not parse (a run killed while
+    writing it) is reported on stderr and skipped."""
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"{path}:{n}: skipping a malformed line {line[:60]!r}", file=sys.stderr)
+    return records
+
+
+def series(records: list[dict], pattern: str) -> dict[str, list[tuple[int, float]]]:
+    """`{metric: [(step, value), ...]}` sorted by step for the metrics `pattern` names, from
+    records of PHASES; a later record of the same step replaces an earlier one."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.get("phase") not in PHASES:
+            continue
+        for key, value in r.items():
+            match = key.startswith(pattern[:-1]) if pattern.endswith("*") else key == pattern
+            if match and isinstance(value, int | float) and not isinstance(value, bool):
+                out.setdefault(key, {})[int(r["step"])] = float(value)
+    return {k: sorted(v.items()) for k, v in sorted(out.items())}
 
 
 def plot_run(workdir: str, out_dir: str | None = None) -> list[str]:
@@ -36,20 +71,18 @@ def plot_run(workdir: str, out_dir: str | None = None) -> list[str]:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {workdir} a finished run's workdir?")
-    records = [r for r in read_jsonl(path) if r.get("phase") in ("rl", "eval")]
+    records = read_records(path)
     out_dir = out_dir or os.path.join(workdir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    for topic, keys in TOPICS.items():
-        series = {}
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            if pts:
-                series[key] = pts
-        if not series:
+    for topic, patterns in TOPICS.items():
+        curves = {}
+        for pattern in patterns:
+            curves.update(series(records, pattern))
+        if not curves:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key, pts in series.items():
+        for key, pts in curves.items():
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=key)
         ax.set_xlabel("RL step")
@@ -69,7 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workdir")
     parser.add_argument("--out", default=None, help="output folder (default WORKDIR/plots)")
     args = parser.parse_args(argv)
-    for png in plot_run(args.workdir, args.out):
+    try:
+        written = plot_run(args.workdir, args.out)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not written:
+        print(f"error: no plottable metrics in {args.workdir}/metrics.jsonl", file=sys.stderr)
+        return 1
+    for png in written:
         print(png)
     return 0
 

@@ -71,6 +71,13 @@ def pack_sequences(
     """Packs `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy)."""
     if rows % n_shards:
         raise ValueError(f"batch rows {rows} not divisible by data shards {n_shards}")
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logps, strict=True)):
+        if len(p) < 1:
+            raise ValueError(f"sequence {i} has an empty prompt: the first input must be a prompt "
+                             "token (e.g. BOS) so the first response token has a position")
+        if len(lp) < len(r):
+            raise ValueError(f"sequence {i} has {len(r)} response tokens but {len(lp)} behaviour "
+                             "log-probs")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     if lengths and max(lengths) > seq_len + 1:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds seq_len + 1 = {seq_len + 1}")

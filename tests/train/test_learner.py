@@ -1,0 +1,264 @@
+"""The learner: advantages per group, RL-ZVP token advantages, skipped non-finite updates, and
+`Learner.update` on real rollouts of the embedded engine (tiny MoE, 2 data shards)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax import configs, sharding
+from espo_jax.models.config import get_preset
+from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.rl.advantages import rl_zvp
+from espo_jax.rl.losses import paper_loss_config
+from espo_jax.rollout.engine import Engine, Request
+from espo_jax.rollout.records import Response, RolloutGroup
+from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.train import state as state_lib
+from espo_jax.train.batch import RLBatch
+from espo_jax.train.learner import Learner, group_advantages
+from espo_jax.train.step import token_advantages
+
+
+def _group(rewards, outcomes, pid="p", tokens_per_response=3):
+    responses = [
+        Response(tokens=np.full(tokens_per_response, 5), logprobs=np.zeros(tokens_per_response),
+                 outcome=o, reward=r)
+        for r, o in zip(rewards, outcomes, strict=True)
+    ]
+    return RolloutGroup(prompt_id=pid, prompt_tokens=np.array([1, 4]), policy_version=0,
+                        sampler="test", created_at=0.0, responses=responses)
+
+
+# ---- advantages -----------------------------------------------------------------------------
+def test_group_advantages_grpo_and_zero_variance_signs():
+    groups = [
+        _group([1.0, 0.0, 0.0, 1.0], [1, 0, 0, 1]),  # mixed, G=4
+        _group([1.0, 1.0, 1.0], [1, 1, 1]),  # all correct, G=3
+        _group([0.0, 0.0], [0, 0]),  # all wrong, G=2
+        _group([1.0, 0.9], [1, 1]),  # all correct, tie broken by a length term: not ZV
+        _group([1.0], [1]),  # a single response
+    ]
+    adv, sign = group_advantages(groups, "grpo", use_zvp=True)
+    # Mixed: mean 0.5, std 0.5 -> (r - 0.5) / (0.5 + 1e-6) = +-0.999998.
+    a = 0.5 / (0.5 + 1e-6)
+    # Tie-broken: mean 0.95, std 0.05 -> +-0.05 / (0.05 + 1e-6) = +-0.99998.
+    b = 0.05 / (0.05 + 1e-6)
+    np.testing.assert_allclose(
+        adv, [a, -a, -a, a, 0, 0, 0, 0, 0, b, -b, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(sign, [0, 0, 0, 0, 1, 1, 1, -1, -1, 0, 0, 1])
+    assert adv.dtype == np.float32 and sign.dtype == np.float32
+    _, sign_off = group_advantages(groups, "grpo", use_zvp=False)
+    np.testing.assert_array_equal(sign_off, np.zeros(12))
+    # RLOO on the mixed group: G/(G-1) * (r - mean) = 4/3 * +-0.5 = +-2/3.
+    adv_rloo, _ = group_advantages(groups[:1], "rloo", use_zvp=False)
+    np.testing.assert_allclose(adv_rloo, [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
+    empty_adv, empty_sign = group_advantages([], "grpo", use_zvp=True)
+    assert empty_adv.shape == empty_sign.shape == (0,)
+
+
+def _rl_batch(adv, sign, entropy, mask):
+    b, t = np.shape(mask)
+    z = jnp.zeros((b, t))
+    return RLBatch(tokens=z.astype(jnp.int32), positions=z.astype(jnp.int32),
+                   targets=z.astype(jnp.int32), loss_mask=jnp.asarray(mask, jnp.float32),
+                   advantages=jnp.asarray(adv, jnp.float32), zv_sign=jnp.asarray(sign, jnp.float32),
+                   behaviour_logp=z, routed_experts=None, old_entropy=jnp.asarray(entropy))
+
+
+_token_adv = jax.jit(token_advantages, static_argnums=1)
+
+
+def test_token_advantages_rl_zvp_by_hand():
+    entropy = [[0.3, 0.3, 0.3, 0.3], [0.5, 1.0, 2.0, 9.0], [0.5, 1.0, 2.0, 9.0]]
+    mask = [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+    batch = _rl_batch([0.7, 0.0, 0.0], [0, 1, -1], entropy, mask)
+    out = np.asarray(_token_adv(batch, 0.1)) * np.asarray(mask)
+    # Row 0 (not zero-variance): its sequence advantage on every token.
+    # Row 1 (all correct): alpha * H = 0.1 * [0.5, 1, 2]; the masked 9.0 does not count.
+    # Row 2 (all wrong): -alpha * (max H - H) with max H = 2 over the response:
+    #   -0.1 * [1.5, 1.0, 0.0].
+    np.testing.assert_allclose(out, [[0.7, 0.7, 0, 0], [0.05, 0.1, 0.2, 0],
+                                     [-0.15, -0.1, 0.0, 0]], atol=1e-7)
+    # alpha = 0 (stage 3 off): sequence advantages everywhere, zero-variance rows get 0.
+    off = np.asarray(_token_adv(batch, 0.0)) * np.asarray(mask)
+    np.testing.assert_allclose(off, [[0.7, 0.7, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_token_advantages_agree_with_rl_zvp():
+    # N = 4 groups of G = 3 (equal sizes, as rl_zvp needs): mixed, all correct, all wrong, and
+    # all correct with tie-broken rewards (not zero-variance).
+    rewards = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [1.0, 0.95, 0.9]], np.float32)
+    outcomes = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 0], [1, 1, 1]], np.float32)
+    rng = np.random.default_rng(0)
+    entropy = rng.uniform(0.0, 3.0, (4, 3, 7)).astype(np.float32)
+    lengths = rng.integers(1, 8, (4, 3))
+    mask = (np.arange(7) < lengths[..., None]).astype(np.float32)
+    groups = [_group(list(r), list(o.astype(int)), pid=str(i)) for i, (r, o) in
+              enumerate(zip(rewards, outcomes, strict=True))]
+    adv, sign = group_advantages(groups, "grpo", use_zvp=True)
+    np.testing.assert_array_equal(sign, np.repeat([0, 1, -1, 0], 3))
+    ours = _token_adv(_rl_batch(adv, sign, entropy.reshape(12, 7), mask.reshape(12, 7)), 0.25)
+    ref = rl_zvp(rewards, outcomes, entropy, mask, 0.25)
+    np.testing.assert_allclose(np.asarray(ours) * mask.reshape(12, 7),
+                               np.asarray(ref).reshape(12, 7), rtol=1e-5, atol=1e-6)
+
+
+# ---- apply_gradients ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_state():
+    optim = configs.default_config().optim
+    optim.warmup_steps = 0  # the first update uses the peak lr (1e-3)
+    tx = state_lib.make_optimizer(optim, total_steps=10)
+    params = {"w": jnp.ones((2, 2)), "b": jnp.zeros((2,))}
+    return state_lib.create_train_state(params, tx, jax.random.key(0))
+
+
+_apply = jax.jit(state_lib.apply_gradients)
+
+
+def test_apply_gradients_update_by_hand(small_state):
+    grads = {"w": jnp.array([[1.0, -2.0], [3.0, -4.0]]), "b": jnp.array([0.5, -0.5])}
+    new, skipped = _apply(small_state, grads, jnp.float32(1.0))
+    # Global-norm clipping rescales but keeps signs; Adam's first bias-corrected step is
+    # m / sqrt(v) = g / |g| = sign(g), so p' = p - lr * sign(g) with lr = 1e-3.
+    np.testing.assert_allclose(new.params["w"], [[0.999, 1.001], [0.999, 1.001]], atol=1e-6)
+    np.testing.assert_allclose(new.params["b"], [-0.001, 0.001], atol=1e-6)
+    assert int(skipped) == 0 and int(new.skipped) == 0 and int(new.step) == 1
+
+
+@pytest.mark.parametrize("bad", ["nan_grad", "inf_grad", "nan_loss"])
+def test_apply_gradients_skips_non_finite(small_state, bad):
+    # Advance once so the optimiser moments are non-zero: "unchanged" then means something.
+    good = {"w": jnp.full((2, 2), 0.5), "b": jnp.array([1.0, 2.0])}
+    state, _ = _apply(small_state, good, jnp.float32(1.0))
+    before = jax.device_get((state.params, state.opt_state))
+    grads = dict(good)
+    loss = jnp.float32(1.0)
+    if bad == "nan_grad":
+        grads["b"] = jnp.array([1.0, jnp.nan])
+    elif bad == "inf_grad":
+        grads["w"] = good["w"].at[0, 1].set(jnp.inf)
+    else:
+        loss = jnp.float32(jnp.nan)
+    new, skipped = _apply(state, grads, loss)
+    after = jax.device_get((new.params, new.opt_state))
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(x, y)  # bitwise: NaN-free, so equality is exact
+    assert int(skipped) == 1 and int(new.skipped) == 1
+    assert int(new.step) == 2  # the step counter still advances
+    # A finite update afterwards proceeds from the untouched state.
+    newer, skipped = _apply(new, good, jnp.float32(1.0))
+    assert int(skipped) == 0 and int(newer.skipped) == 1
+    assert not np.array_equal(jax.device_get(newer.params["w"]), before[0]["w"])
+
+
+# ---- Learner.update on real engine rollouts -------------------------------------------------
+def _learner_config():
+    c = configs.default_config()
+    c.model.preset = "tiny"
+    c.loss = paper_loss_config("espo")
+    c.loss.vocab_size = 128
+    c.rollout.prompts_per_step = 2
+    c.zve.n_samples = 2
+    c.rollout.max_prompt_len = 8
+    c.rollout.max_new_tokens = 8
+    c.train.updates_per_batch = 2  # one group per minibatch
+    c.train.logprob_chunk = 16
+    c.mesh.data = 2  # rows sharded over 2 devices
+    c.zve.zvp.enabled = True
+    c.optim.warmup_steps = 0
+    c.optim.lr = 1e-2
+    configs.validate(c, n_devices=jax.device_count())
+    return c
+
+
+@pytest.fixture(scope="module")
+def learner_setup():
+    c = _learner_config()
+    model_config = get_preset("tiny")
+    mesh = sharding.make_mesh(c.mesh, devices=jax.devices()[:2])
+    params = sharding.init_sharded(model_config, mesh, rng=jax.random.key(0))
+    tx = state_lib.make_optimizer(c.optim, total_steps=10)
+    make_state = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))
+    state_shardings = jax.tree.map(lambda x: x.sharding, make_state(params))
+    learner = Learner(c, model_config, mesh, state_shardings)
+    tok = CharTokenizer()
+    engine = Engine(model_config, jax.device_get(params), precision="fp32", max_slots=4,
+                    max_cache_len=16,
+                    sampling=SamplingConfig(max_new_tokens=8, stop_tokens=(tok.eos_id,)))
+    requests = [Request(prompt_id="a", tokens=tok.encode("12+3=", add_bos=True)),
+                Request(prompt_id="b", tokens=tok.encode("7-5=", add_bos=True))]
+    generated = engine.generate_groups(requests, n_samples=2, rng=jax.random.key(3))
+    return learner, params, make_state, generated
+
+
+def _groups(generated, rewards, logp_shift=0.0):
+    out = []
+    for gen, rs in zip(generated, rewards, strict=True):
+        responses = [Response(tokens=r.tokens, logprobs=r.logprobs + logp_shift,
+                              routed_experts=r.routed_experts, finish_reason=r.finish_reason,
+                              outcome=bool(rw == 1.0), reward=rw)
+                     for r, rw in zip(gen.responses, rs, strict=True)]
+        out.append(RolloutGroup(prompt_id=gen.prompt_id, prompt_tokens=gen.prompt_tokens,
+                                policy_version=0, sampler="jax-fp32", created_at=0.0,
+                                responses=responses, n_experts=8))
+    return out
+
+
+def _host(tree):
+    return [np.array(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def test_update_changes_params_and_reports_mismatch(learner_setup):
+    learner, params, make_state, generated = learner_setup
+    state = make_state(params)
+    before = _host(state.params)
+    # Group "a" has contrast; group "b" is all-correct (zero-variance: RL-ZVP advantages).
+    state, m = learner.update(state, _groups(generated, [[1.0, 0.0], [1.0, 1.0]]))
+    after = _host(state.params)
+    assert any(not np.array_equal(x, y) for x, y in zip(before, after, strict=True))
+    assert all(np.isfinite(x).all() for x in after)
+    assert int(state.step) == 2 and int(state.skipped) == 0  # 2 minibatches, 2 updates
+    assert m["train/skipped_update"] == 0.0 and np.isfinite(m["train/loss"])
+    # The fp32 engine computed the behaviour log-probs with the same weights and (replayed)
+    # routing: learner and sampler agree to float rounding, and no token flips its experts.
+    assert m["mismatch/mean_abs_logp"] < 1e-4
+    assert m["train/max_abs_logp_mismatch"] < 1e-3
+    assert abs(m["mismatch/kl_k3"]) < 1e-6
+    for key in ("moe/routing_flip_rate", "moe/routing_flip_rate_layer0",
+                "moe/routing_flip_rate_layer1"):
+        assert m[key] == 0.0, key
+    assert m["entropy/mean"] > 0.0
+
+
+def test_update_mismatch_metrics_measure_a_known_shift(learner_setup):
+    learner, params, make_state, generated = learner_setup
+    # Behaviour log-probs 0.1 above the learner's on every response token:
+    # |delta| = 0.1; log(pi_sampler / pi_learner) = 0.1, so the k3 KL estimate is
+    # exp(-0.1) - 1 + 0.1 = 0.0048374 and the importance weight is exp(-0.1) = 0.904837.
+    _, m = learner.update(make_state(params),
+                          _groups(generated, [[1.0, 0.0], [0.0, 1.0]], logp_shift=0.1))
+    assert m["mismatch/mean_abs_logp"] == pytest.approx(0.1, abs=1e-4)
+    assert m["train/max_abs_logp_mismatch"] == pytest.approx(0.1, abs=1e-3)
+    assert m["mismatch/kl_k3"] == pytest.approx(0.0048374, abs=2e-5)
+    assert m["mismatch/is_weight_max"] == pytest.approx(0.904837, abs=1e-3)
+
+
+def test_update_skips_a_nan_minibatch(learner_setup):
+    learner, params, make_state, generated = learner_setup
+    state = make_state(params)
+    before = _host((state.params, state.opt_state))
+    # A NaN reward makes group "b"'s advantages (its whole minibatch) NaN: that update is
+    # skipped and counted; group "a"'s minibatch still updates.
+    state, m = learner.update(state, _groups(generated, [[1.0, 0.0], [np.nan, 1.0]]))
+    assert int(state.skipped) == 1 and int(state.step) == 2
+    assert m["train/skipped_update"] == 0.5  # mean over the 2 minibatches
+    assert any(not np.array_equal(x, y)
+               for x, y in zip(before, _host((state.params, state.opt_state)), strict=True))
+    # Every minibatch NaN: parameters and optimiser state stay bitwise as they were.
+    before = _host((state.params, state.opt_state))
+    state, m = learner.update(state, _groups(generated, [[np.nan, 0.0], [np.nan, 1.0]]))
+    assert int(state.skipped) == 3 and m["train/skipped_update"] == 1.0
+    for x, y in zip(before, _host((state.params, state.opt_state)), strict=True):
+        np.testing.assert_array_equal(x, y)
