@@ -146,41 +146,52 @@ def admission(engine, config, n_prompts, n_samples, max_len, repeats, seed=1) ->
     }
 
 
-def overlap(engine, config, n_prompts, n_samples, new_tokens, workers=4) -> dict:
+def overlap(engine, config, n_prompts, n_samples, new_tokens, repeats, workers=4) -> dict:
+    """Wall seconds (median over `repeats`, modes timed alternately) of generation with each
+    way of scoring; "generation only" is the floor."""
     reqs = [Request(f"r{i}", p) for i, p in enumerate(_prompts(n_prompts, 8, config.vocab_size))]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
     answer = "42"
-    out = {}
-    engine.generate_groups(reqs, n_samples=n_samples, sampling=sampling)  # warm-up
-    start = time.perf_counter()
-    groups = engine.generate_groups(reqs, n_samples=n_samples, sampling=sampling)
-    for g in groups:
-        for r in g.responses:
-            costly_reward(decode(r.tokens), answer)
-    out["after, serial"] = time.perf_counter() - start
+
+    def generate(on_group=None):
+        return engine.generate_groups(
+            reqs, n_samples=n_samples, sampling=sampling, on_group=on_group
+        )
+
+    generate()  # warm-up
     with RewardPool(costly_reward, num_workers=workers, timeout_s=10, detokenize=decode) as pool:
         pool.submit("warm", 0, "x", answer)
         pool.wait_group("warm", 1)
-        for mode in ("after, pool", "overlapped, pool"):
-            start = time.perf_counter()
+        runs = iter(range(10**9))
 
-            def submit(g, tag=mode):
+        def with_pool(overlapped: bool) -> None:
+            tag = next(runs)
+
+            def submit(g):
                 for j, r in enumerate(g.responses):
                     pool.submit((tag, g.request_index), j, r.tokens.tolist(), answer)
 
-            groups = engine.generate_groups(
-                reqs,
-                n_samples=n_samples,
-                sampling=sampling,
-                on_group=submit if mode.startswith("overlapped") else None,
-            )
-            if mode.startswith("after"):
+            groups = generate(on_group=submit if overlapped else None)
+            if not overlapped:
                 for g in groups:
                     submit(g)
             for g in groups:
-                pool.wait_group((mode, g.request_index), n_samples)
-            out[mode] = time.perf_counter() - start
-    return out
+                pool.wait_group((tag, g.request_index), n_samples)
+
+        def serial() -> None:
+            for g in generate():
+                for r in g.responses:
+                    costly_reward(decode(r.tokens), answer)
+
+        return interleaved_medians(
+            {
+                "generation only": generate,
+                "after, serial": serial,
+                f"after, pool of {workers}": lambda: with_pool(False),
+                f"overlapped, pool of {workers}": lambda: with_pool(True),
+            },
+            repeats,
+        )
 
 
 def _scale_experts(params: dict, factor: float) -> dict:
@@ -259,7 +270,14 @@ def run(quick: bool) -> dict:
         cache - 16,
         repeats=1 if quick else 3,
     )
-    o = overlap(engines["fp32"], config, 8 if quick else 32, 4, 16 if quick else 32)
+    o = overlap(
+        engines["fp32"],
+        config,
+        8 if quick else 32,
+        4,
+        16 if quick else 32,
+        repeats=1 if quick else 3,
+    )
     m = precision_gap(
         config, params, engines, 8 if quick else 32, 2 if quick else 4, 16 if quick else 48
     )
