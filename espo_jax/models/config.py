@@ -131,10 +131,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
         n_experts=8, top_k=2, d_expert=32, max_seq_len=512,
     ),
-    # The default CPU experiment: ~5M parameters, ~1.5M active per token.
+    # The default CPU experiment: 4.96M parameters, 0.83M active per token; a jitted fp32
+    # train step on 16 x 128 tokens takes ~0.6 CPU-seconds here (dropless dispatch).
     "small": dict(
         vocab_size=128, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512,
-        n_experts=16, top_k=2, d_expert=128, max_seq_len=1024,
+        n_experts=16, top_k=2, d_expert=192, max_seq_len=1024,
     ),
     "qwen3_30b_a3b": dict(
         vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
