@@ -245,9 +245,10 @@ class VllmWorker:
                     "reload_weights",
                     kwargs={"weights_path": hf_dir, "is_checkpoint_format": True},
                 )
-            except (AttributeError, NotImplementedError) as e:
-                print(f"[vllm_worker] in-place reload unavailable ({e}); rebuilding the LLM",
-                      file=sys.stderr)
+            except (AttributeError, NotImplementedError, RuntimeError) as e:
+                # RuntimeError: how the multiprocess executor reports a worker-side failure.
+                print(f"[vllm_worker] in-place reload failed ({type(e).__name__}: {e}); "
+                      "rebuilding the LLM", file=sys.stderr)
                 mode = "rebuild"
             else:
                 self.llm.reset_prefix_cache()
