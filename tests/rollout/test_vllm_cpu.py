@@ -167,6 +167,7 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
 
 
 # ---- launch/gpu_check.sh without a GPU ----------------------------------------------------------
+@pytest.mark.slow
 def test_gpu_check_cpu_dry_run(tmp_path):
     env = dict(os.environ, WORKDIR=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(REPO / "launch" / "gpu_check.sh"), "--cpu-dry-run"],
