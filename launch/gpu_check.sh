@@ -32,14 +32,18 @@ elif [[ -n "${1:-}" ]]; then
   exit 2
 fi
 
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "[gpu_check] no CUDA GPU visible to torch: FP8 and routing capture are GPU-only in vLLM." >&2
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "[gpu_check] no NVIDIA GPU (nvidia-smi): FP8 and routing capture are GPU-only in vLLM." >&2
   echo "[gpu_check] run '$0 --cpu-dry-run' for the parts that do not need one." >&2
   exit 2
 fi
 if ! "$PYTHON" -c "import vllm" 2>/dev/null; then
   step "installing the vllm extra"
   "$PYTHON" -m pip install -q -e '.[vllm]'
+fi
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "[gpu_check] torch sees no CUDA device (CPU-only torch build?)" >&2
+  exit 2
 fi
 "$PYTHON" -c "import vllm, torch; print('[gpu_check] vllm', vllm.__version__, 'torch',
 torch.__version__, torch.cuda.get_device_name(0))"
