@@ -16,6 +16,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
+if [[ -n "${1:-}" && "$1" != "--cpu-dry-run" ]]; then
+  echo "usage: $0 [--cpu-dry-run]" >&2
+  exit 2
+fi
+if [[ -z "${1:-}" ]] && ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "[gpu_check] no NVIDIA GPU (nvidia-smi): FP8 and routing capture are GPU-only in vLLM." >&2
+  echo "[gpu_check] run '$0 --cpu-dry-run' for the parts that do not need one." >&2
+  exit 2
+fi
 WORKDIR=${WORKDIR:-$(mktemp -d -t espo_gpu_check.XXXXXX)}
 export HF_HUB_OFFLINE=1 TF_CPP_MIN_LOG_LEVEL=3 JAX_PLATFORMS=cpu  # the learner side is tiny
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$HOME/.cache/espo_jax/jax_cache}
@@ -27,16 +36,8 @@ if [[ "${1:-}" == "--cpu-dry-run" ]]; then
   timeout 600 "$PYTHON" launch/gpu_check.py dry-run "$WORKDIR"
   step "done: $WORKDIR/summary.json"
   exit 0
-elif [[ -n "${1:-}" ]]; then
-  echo "usage: $0 [--cpu-dry-run]" >&2
-  exit 2
 fi
 
-if ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "[gpu_check] no NVIDIA GPU (nvidia-smi): FP8 and routing capture are GPU-only in vLLM." >&2
-  echo "[gpu_check] run '$0 --cpu-dry-run' for the parts that do not need one." >&2
-  exit 2
-fi
 if ! "$PYTHON" -c "import vllm" 2>/dev/null; then
   step "installing the vllm extra"
   "$PYTHON" -m pip install -q -e '.[vllm]'
