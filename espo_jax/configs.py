@@ -39,8 +39,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.data_dir = ""  # "" -> WORKDIR/data
     c.data.train_levels = (1, 2, 3, 4, 5)  # difficulty levels RL trains on
     c.data.eval_levels = (1, 2, 3, 4, 5)  # held-out evaluation levels
+    c.data.levels = ((2, 1), (3, 1), (2, 2), (3, 2), (4, 2))  # arith_chains (terms, digits)
     c.data.train_per_level = 2000  # arith_chains problems per level in the train split
     c.data.test_per_level = 200  # arith_chains problems per level in the test split
+    c.data.rl_prompts = 0  # RL prompt pool: this many train prompts spread over levels (0: all)
     c.data.jsonl_train = ""  # math_jsonl: path of the training JSONL
     c.data.jsonl_test = ""  # math_jsonl: path of the test JSONL
 
@@ -233,8 +235,28 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     c.train.replay = "r3"
     for stage in ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire"):
         c.zve[stage].enabled = True  # every MS-ZVE stage
-    c.warmstart.steps = 600
+    # Levels 1..4 = chains of 2..5 one-digit terms: the warm start learns the step on short
+    # chains, RL has to extend it to long ones (length generalisation, with a non-zero pass rate).
+    c.data.levels = ((2, 1), (3, 1), (4, 1), (5, 1))
+    c.data.train_levels = (1, 2, 3, 4)
+    c.data.eval_levels = (1, 2, 3, 4)
+    c.data.rl_prompts = 1000  # RL prompt pool (stage 0 samples every one of them)
+    c.rollout.max_prompt_len = 16  # `1+7+9-5-9=` + bos
+    c.rollout.max_new_tokens = 44  # `1+7=8,8+9=17,17-5=12,12-9=3#3` + eos (<= 40 + 1)
+    c.rollout.prompts_per_step = 16
+    c.zve.n_samples = 8
+    c.zve.offline.k = 4
+    c.warmstart.steps = 500
     c.warmstart.levels = (1, 2)
+    c.warmstart.lr = 2e-3
+    c.warmstart.eval_every = 100
+    c.warmstart.target_accuracy = 0.95
+    c.optim.lr = 2e-4
+    c.train.steps = 80
+    c.train.updates_per_batch = 2
+    c.eval.num_prompts = 200
+    c.eval.every = 20
+    c.eval.pass_k = 0
     if arg.small:
         apply_small(c)
     return c

@@ -112,11 +112,9 @@ class Run:
             state, _ = Checkpointer(c.checkpoint.init_from, async_save=False).restore(state)
             state = self._new_state(state.params)
         elif c.warmstart.steps > 0:
-            warm_eval = self.setup.warm_prompts
-            idx = setup_lib.balanced_subset(
-                [dict(level=p["level"], i=i) for i, p in enumerate(warm_eval)],
-                c.eval.num_prompts, c.seed)
-            warm_eval = [warm_eval[d["i"]] for d in idx]
+            # Warm-start progress is measured on samples of its own (train) levels.
+            warm_eval = setup_lib.balanced_subset(self.setup.warm_prompts, c.eval.num_prompts,
+                                                  c.seed)
             params, _ = warm_start(
                 self.setup, state.params,
                 evaluate_fn=lambda p: self.evaluate(p, warm_eval),

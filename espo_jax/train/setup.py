@@ -58,7 +58,8 @@ def _prompt_sources(config, workdir: str, tokenizer):
     if config.data.name == "arith_chains":
         from espo_jax.data.arith_chains import arith_chains_config
 
-        dcfg = arith_chains_config(train_per_level=config.data.train_per_level,
+        dcfg = arith_chains_config(levels=tuple(tuple(lv) for lv in config.data.levels),
+                                   train_per_level=config.data.train_per_level,
                                    test_per_level=config.data.test_per_level, seed=config.seed)
         src = functools.partial(prompts_lib.arith_chains_source, config=dcfg)
         train = src(root, "train", tokenizer, levels=config.data.train_levels)
@@ -107,6 +108,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
     sharding.validate_divisibility(model_config, mesh)
     train, warm, test = _prompt_sources(config, workdir, tokenizer)
+    if config.data.rl_prompts:
+        train = balanced_subset(train, config.data.rl_prompts, seed=config.seed)
     eval_prompts = balanced_subset(test, config.eval.num_prompts, seed=config.seed)
     return RunSetup(config, workdir, model_config, tokenizer, mesh, train, warm, eval_prompts,
                     hf_params)

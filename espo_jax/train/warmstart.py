@@ -71,6 +71,9 @@ def warm_start(
         batch = sft_batch(setup.warm_prompts, idx, setup.tokenizer, seq_len)
         state, metrics = step_fn(state, batch)
         last = step + 1 == ws.steps
+        if (step + 1) % 25 == 0:
+            logging.info("warm start step %d/%d: nll %.3f (%.2f s/step so far)", step + 1,
+                         ws.steps, float(metrics["sft/nll"]), (time.time() - start) / (step + 1))
         if (step + 1) % ws.eval_every == 0 or last:
             eval_metrics = evaluate_fn(state.params)
             metrics = {**jax.device_get(metrics), **eval_metrics}
