@@ -34,6 +34,7 @@ import numpy as np
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
 
 from espo_jax.rollout.engine import DecodeState, Engine, Generation, Prefix, request_key
+from espo_jax.rollout.sampling import SamplingConfig
 
 
 class TokenizerAdapter(tokenizer_api.Tokenizer):
@@ -78,15 +79,20 @@ class TokenizerAdapter(tokenizer_api.Tokenizer):
 
 
 class JetStreamEngine(engine_api.Engine):
-    """`engine` (with weights loaded) through JetStream's Engine API; see the module doc."""
+    """`engine` (with weights loaded) through JetStream's Engine API; see the module doc.
 
-    def __init__(self, engine: Engine, tokenizer: Any = None, *, rng: jax.Array | None = None):
+    `sampling` (default: the engine's) applies to every sample; changing it never recompiles.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any = None, *, rng: jax.Array | None = None,
+                 sampling: SamplingConfig | None = None):
         if engine.params is None:
             raise ValueError("the engine has no weights: call engine.load_params first")
         self.engine = engine
         self.tokenizer = tokenizer
         self.rng = jax.random.key(0) if rng is None else rng
-        self._sampling = engine.slot_sampling(engine.sampling)
+        self.sampling = engine.sampling if sampling is None else sampling
+        self._sampling = engine.slot_sampling(self.sampling)
         self._inserted = 0
         b = engine.max_slots
         self._live = np.zeros(b, bool)  # slot holds a sample JetStream has not finished reading
@@ -152,7 +158,7 @@ class JetStreamEngine(engine_api.Engine):
             decode_state.tokens_BxS[slot, n:pos + 1],
             decode_state.logprobs_BxS[slot, n:pos + 1],
             decode_state.experts_BxSxMxk[slot, :pos + 1]))
-        stopped = int(tokens[-1]) in self.engine.sampling.stop_tokens
+        stopped = int(tokens[-1]) in self.sampling.stop_tokens
         routed = np.asarray(experts, np.int16) if self.engine.config.n_moe_layers else None
         return Generation(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), routed,
                           "stop" if stopped else "length")
@@ -164,7 +170,7 @@ class JetStreamEngine(engine_api.Engine):
     def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> TokenizerAdapter:
         if self.tokenizer is None:
             raise ValueError("JetStreamEngine was built without a tokenizer")
-        return TokenizerAdapter(self.tokenizer, self.engine.sampling.stop_tokens,
+        return TokenizerAdapter(self.tokenizer, self.sampling.stop_tokens,
                                 self.engine.prefill_len)
 
     def get_prefix_destination_sharding(self) -> Any:
@@ -180,7 +186,7 @@ class JetStreamEngine(engine_api.Engine):
 
     @property
     def max_prefill_length(self) -> int:
-        return self.engine.max_cache_len - self.engine.sampling.max_new_tokens
+        return self.engine.max_cache_len - self.sampling.max_new_tokens
 
     @property
     def mesh(self) -> jax.sharding.Mesh:

@@ -74,12 +74,20 @@ def test_is_a_jetstream_engine(engine):
 def test_same_samples_as_generate_groups(engine):
     prompts = ["1+2=", "7*8-3=", "99", "a"]
     rng = jax.random.key(5)
-    out, records = drive(JetStreamEngine(engine, CharTokenizer(), rng=rng), prompts)
     tok = CharTokenizer()
+    requests = [Request(i, tok.encode(p, add_bos=True), seed=i) for i, p in enumerate(prompts)]
+    # Make the stop path certain: stop at the token prompt 0 samples third (a first run without
+    # stop tokens finds it; sampling never depends on the stop tokens before they stop).
+    free = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, stop_tokens=())
+    third = int(engine.generate_groups(requests[:1], rng=rng, sampling=free)[0]
+                .responses[0].tokens[2])
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, stop_tokens=(third,))
+    adapter = JetStreamEngine(engine, tok, rng=rng, sampling=sampling)
+    out, records = drive(adapter, prompts)
     # The n-th insert samples as request seed n, sample 0; inserts follow the prompt order here.
-    reference = engine.generate_groups(
-        [Request(i, tok.encode(p, add_bos=True), seed=i) for i, p in enumerate(prompts)],
-        n_samples=1, rng=rng)
+    reference = engine.generate_groups(requests, n_samples=1, rng=rng, sampling=sampling)
+    assert reference[0].responses[0].finish_reason == "stop"
+    assert len(reference[0].responses[0].tokens) <= 3
     for i, group in enumerate(reference):
         ref = group.responses[0]
         expected = ref.tokens.tolist()
