@@ -12,7 +12,7 @@ stay in high precision by default, as in vLLM's FP8 MoE checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -25,7 +25,7 @@ DEFAULT_GROUPS = ("attn", "experts", "mlp", "shared_expert")
 
 
 def is_quantized(w: Any) -> bool:
-    return isinstance(w, dict) and "qvalue" in w
+    return isinstance(w, Mapping) and "qvalue" in w  # dict, or FrozenDict inside Linen
 
 
 def maybe_dequant(w: Any, dtype: Any = jnp.float32) -> jax.Array:

@@ -83,11 +83,15 @@ def test_groups_router_and_lm_head_stay_float(tiny_params, qparams):
     assert all_q["embed"]["embedding"]["scale"].shape == (128, 1)  # one scale per token row
 
 
-def test_fp8_forward_dequantises_on_the_fly(fwd, qparams, tokens):
-    """The quantised tree through `forward` equals its dequantised float copy."""
-    a = fwd(TINY, qparams, tokens)
-    b = fwd(TINY, quant.dequantize_params(qparams), tokens)
+def test_fp8_forward_dequantises_on_the_fly(fwd, tiny_params, tokens):
+    """A tree with every group quantised (embedding, router and LM head included) through
+    `forward` equals its dequantised float copy: every kernel read goes through
+    `maybe_dequant`."""
+    all_q = quant.quantize_params(tiny_params, TINY, groups=quant.GROUPS)
+    a = fwd(TINY, all_q, tokens)
+    b = fwd(TINY, quant.dequantize_params(all_q), tokens)
     np.testing.assert_allclose(a.logits, b.logits, atol=1e-6)
+    assert np.abs(np.asarray(a.logits - fwd(TINY, tiny_params, tokens).logits)).max() > 0
 
 
 def test_fp8_vs_fp32_logits_and_routing_flips(request, fwd, tiny_params, qparams, tokens):
