@@ -19,7 +19,11 @@ Where the topology comes from (`resolve`, first match wins):
 Feeding the mesh: the learner's batch is sharded over rows (`data` x `fsdp`). Each process
 puts only the rows its own devices hold (`jax.make_array_from_process_local_data`);
 `put_batch` takes the identical host batch every process built from the shared rollout buffer
-and slices out those rows, `global_from_local` takes rows a process loaded by itself.
+and slices out those rows, `global_from_local` takes rows a process loaded by itself;
+`put_global` places weights every host read (any sharding). Processes that may see different
+data (the rollout buffer while workers write) agree through `broadcast_groups` (process 0's
+groups to all); `gather_to_host` brings sharded parameters to every host (before process 0
+publishes them).
 """
 
 from __future__ import annotations
@@ -168,13 +172,23 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def sync(name: str) -> None:
-    """Barrier across processes (a no-op for one process), e.g. before process 0 deletes
-    files that the others may still read."""
-    if jax.process_count() > 1:
+def sync(name: str, timeout_s: float = 600.0) -> None:
+    """Barrier across processes (a no-op for one process), e.g. before process 0 deletes files
+    that the others may still read, or before the first collective: CPU (gloo) collectives give
+    up after 30 s, so processes that drift apart while compiling must meet first. Uses the
+    coordination service (`timeout_s`), not a device collective; `name` must be unique per
+    barrier (e.g. include the step)."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # the client of jax.distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:  # processes joined some other way (e.g. a TPU runtime): a collective
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+        return
+    client.wait_at_barrier(f"espo_jax:{name}", int(timeout_s * 1000))
 
 
 def process_rows(sharding: Sharding, global_rows: int) -> slice:
@@ -210,7 +224,7 @@ def put_batch(host_tree: Any, sharding: Sharding) -> Any:
     transfers only its own rows. One process: `jax.device_put`."""
     if jax.process_count() == 1:
         return jax.device_put(host_tree, sharding)
-    leaves = [x for x in jax.tree.leaves(host_tree)]
+    leaves = jax.tree.leaves(host_tree)
     if not leaves:
         return host_tree
     rows = {np.shape(x)[0] for x in leaves}
@@ -220,6 +234,74 @@ def put_batch(host_tree: Any, sharding: Sharding) -> Any:
     block = process_rows(sharding, n)
     local = jax.tree.map(lambda x: np.asarray(x)[block], host_tree)
     return global_from_local(local, sharding, n)
+
+
+def put_global(host_tree: Any, shardings: Any) -> Any:
+    """Global arrays from a host pytree every process holds in full, under any shardings (a
+    matching tree, or one sharding for all leaves): each process copies only the shards of its
+    own devices (`jax.make_array_from_callback`). For initial weights read from a checkpoint on
+    every host; unlike `jax.device_put` across processes, there is no all-gather check that the
+    copies agree."""
+    if jax.process_count() == 1:
+        return jax.device_put(host_tree, shardings)
+    if isinstance(shardings, Sharding):
+        shardings = jax.tree.map(lambda _: shardings, host_tree)
+
+    def put(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+    return jax.tree.map(put, host_tree, shardings)
+
+
+def _bucket(n: int, smallest: int = 4096) -> int:
+    """`n` rounded up to a power of two (at least `smallest`): few distinct shapes to compile."""
+    return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
+def broadcast_bytes(payload: bytes | None, chunk_bytes: int = 1 << 26) -> bytes:
+    """Process 0's `payload` on every process (the others pass None). A collective, in chunks
+    of at most `chunk_bytes` (power-of-two sized, so few programs compile); one process:
+    `payload` itself."""
+    primary = is_primary()
+    if primary and payload is None:
+        raise ValueError("broadcast_bytes: process 0 must pass the payload")
+    if jax.process_count() == 1:
+        return payload
+    from jax.experimental import multihost_utils
+
+    n = int(multihost_utils.broadcast_one_to_all(np.int64(len(payload) if primary else 0)))
+    out = bytearray()
+    for start in range(0, n, chunk_bytes):
+        size = min(chunk_bytes, n - start)
+        chunk = np.zeros(_bucket(size), np.uint8)
+        if primary:
+            chunk[:size] = np.frombuffer(payload, np.uint8, size, start)
+        out += np.asarray(multihost_utils.broadcast_one_to_all(chunk))[:size].tobytes()
+    return bytes(out)
+
+
+def broadcast_groups(groups: Sequence[Any] | None) -> list[Any]:
+    """Process 0's rollout groups on every process (the others pass None), so that all learner
+    processes train on the same batch even when they would see the buffer at different moments.
+    Groups travel as buffer records (`espo_jax.rollout.records`)."""
+    from espo_jax.rollout import records
+
+    if jax.process_count() == 1:
+        return list(groups)
+    payload = None
+    if is_primary():
+        if groups is None:
+            raise ValueError("broadcast_groups: process 0 must pass the groups")
+        parts = [records.encode(g) for g in groups]
+        payload = b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+    data = broadcast_bytes(payload)
+    out, pos = [], 0
+    while pos < len(data):
+        size = int.from_bytes(data[pos:pos + 8], "little")
+        out.append(records.decode(data[pos + 8:pos + 8 + size]))
+        pos += 8 + size
+    return out
 
 
 def gather_to_host(tree: Any) -> Any:
@@ -233,6 +315,7 @@ def gather_to_host(tree: Any) -> Any:
 
 
 __all__ = [
-    "DistributedSpec", "define_flags", "gather_to_host", "global_from_local", "initialize",
-    "is_primary", "process_rows", "put_batch", "resolve", "sync",
+    "DistributedSpec", "broadcast_bytes", "broadcast_groups", "define_flags", "gather_to_host",
+    "global_from_local", "initialize", "is_primary", "process_rows", "put_batch", "put_global",
+    "resolve", "sync",
 ]

@@ -6,8 +6,9 @@
 Joins the JAX system from the ESPO_* environment (`espo_jax.distributed.initialize`), builds
 the mesh data=2 x expert=4 over all 8 global devices, initialises the tiny MoE sharded, trains
 2 learner updates (`Learner.update`) on fixed synthetic rollout groups, saves an orbax
-checkpoint (every process) and restores it into a freshly initialised state, and checks
-`put_batch` against `jax.device_put`. Process 0 writes OUT_PREFIX.npz (the trained parameters,
+checkpoint (every process) and restores it into a zeroed state, and checks `put_batch`
+against `jax.device_put`, `put_global` against the sharded init, and that `broadcast_groups` /
+`broadcast_bytes` deliver process 0's data. Process 0 writes OUT_PREFIX.npz (the trained parameters,
 gathered to the host) and every process writes OUT_PREFIX.<process>.json (what it saw).
 """
 
@@ -91,7 +92,8 @@ def main(workdir: str, out_prefix: str) -> None:
     tx = state_lib.make_optimizer(config.optim, config.train.steps)
     make_state = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))
     state = make_state(sharding.init_sharded(model_config, mesh, rng=jax.random.key(0)))
-    initial = flat(distributed.gather_to_host(state.params))
+    distributed.sync("built")  # before the first collective (see `distributed.sync`)
+    initial = distributed.gather_to_host(state.params)
     learner = Learner(config, model_config, mesh, jax.tree.map(lambda x: x.sharding, state))
 
     # put_batch (each process transfers its own rows) == device_put (all rows, checked equal
@@ -106,14 +108,31 @@ def main(workdir: str, out_prefix: str) -> None:
         strict=True))
 
     times["setup_s"], t = time.time() - t, time.time()
+    # Process 0's groups and bytes reach every process (chunked: 2500 bytes in 1000-byte
+    # chunks); host weights placed with put_global equal the sharded init.
+    sent = make_groups(3)
+    got = distributed.broadcast_groups(sent if distributed.is_primary() else None)
+    payload = bytes(range(250)) * 10
+    got_bytes = distributed.broadcast_bytes(payload if distributed.is_primary() else None,
+                                            chunk_bytes=1000)
+    placed = distributed.put_global(initial, jax.tree.map(lambda x: x.sharding, state.params))
+    placed_equal = all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(initial), jax.tree.leaves(distributed.gather_to_host(placed)),
+        strict=True))
+    placed_sharded = all(x.sharding == y.sharding for x, y in zip(
+        jax.tree.leaves(placed), jax.tree.leaves(state.params), strict=True))
+
     losses = []
     for seed in (1, 2):
+        distributed.sync(f"update{seed}")
         state, metrics = learner.update(state, make_groups(seed))
         losses.append(metrics["train/loss"])
     trained = flat(distributed.gather_to_host(state.params))
-    moved = max(float(np.max(np.abs(trained[k] - initial[k]))) for k in trained)
+    start = flat(initial)
+    moved = max(float(np.max(np.abs(trained[k] - start[k]))) for k in trained)
 
     times["train_s"], t = time.time() - t, time.time()
+    distributed.sync("checkpoint")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=2)
     ckpt.save(2, state, {"rl_step": 2, "note": "two-process"})
     ckpt.wait()
@@ -136,7 +155,9 @@ def main(workdir: str, out_prefix: str) -> None:
         "global_devices": jax.device_count(), "is_primary": distributed.is_primary(),
         "rows": [rows.start, rows.stop], "put_batch_equal": put_equal, "losses": losses,
         "moved_from_init": moved, "restore_max_diff": restore_max_diff,
-        "restored_moments_equal": moments_equal,
+        "restored_moments_equal": moments_equal, "groups_equal": got == sent,
+        "bytes_equal": got_bytes == payload, "put_global_equal": placed_equal,
+        "put_global_sharded": placed_sharded,
         "restored_step": int(distributed.gather_to_host(restored.step)), "meta": meta,
         "expert_shard_shape": list(sharding.addressable_shard_shapes(
             state.params["layers_0"]["moe"]["wi_gate"])[0]),

@@ -141,6 +141,13 @@ def test_two_processes_form_one_mesh(runs):
     assert p0["expert_shard_shape"] == p1["expert_shard_shape"] == [2, 64, 32]
 
 
+def test_process_zero_data_reaches_every_process(runs):
+    for info in runs["two"] + [runs["one"]]:
+        assert info["groups_equal"]  # 4 rollout groups as records
+        assert info["bytes_equal"]  # 2500 bytes in 3 chunks of <= 1000
+        assert info["put_global_equal"] and info["put_global_sharded"]
+
+
 def test_two_step_training_matches_one_process(runs):
     two, one = runs["two_params"], runs["one_params"]
     assert sorted(two) == sorted(one) and len(two) > 10
