@@ -46,13 +46,14 @@ def select_experts(
     Router replay: where a token's row of `replay_Nxk` holds expert ids (>= 0) they replace the
     top-k choice; the gate weights are the live softmax probabilities gathered at the used
     experts (renormalised when `norm_topk_prob`), so gradients reach the router either way.
-    Rows containing the sentinel -1 route normally.
+    Rows containing the sentinel -1 (or any id outside [0, E)) route normally.
     """
     probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
     _, idx_Nxk = jax.lax.top_k(probs_NxE, top_k)
     if replay_Nxk is not None:
         replay_Nxk = replay_Nxk.astype(idx_Nxk.dtype)
-        use_replay_N = jnp.all(replay_Nxk >= 0, axis=-1, keepdims=True)
+        in_range = (replay_Nxk >= 0) & (replay_Nxk < logits_NxE.shape[-1])
+        use_replay_N = jnp.all(in_range, axis=-1, keepdims=True)
         idx_Nxk = jnp.where(use_replay_N, replay_Nxk, idx_Nxk)
     weights_Nxk = jnp.take_along_axis(probs_NxE, idx_Nxk, axis=-1)
     if norm_topk_prob:
@@ -106,10 +107,12 @@ def expert_ffn(x_GxRxD: jax.Array, wg_GxDxF, wu_GxDxF, wo_GxFxD) -> jax.Array:
     return jnp.einsum("grf,gfd->grd", h, wo_GxFxD)
 
 
-def _sort_by_expert(idx_A: jax.Array, n_experts: int):
-    """Stable sort of the assignments by expert: (order_A, sorted expert, rank within its
-    expert's group, count per expert)."""
-    order_A = jnp.argsort(idx_A, stable=True)
+def _sort_by_expert(idx_A: jax.Array, n_experts: int, valid_A: jax.Array | None = None):
+    """Stable sort of the assignments by expert (within an expert, valid assignments first
+    when `valid_A` is given): (order_A, sorted expert, rank within its expert's group, count
+    per expert)."""
+    key_A = idx_A if valid_A is None else idx_A * 2 + (~valid_A).astype(idx_A.dtype)
+    order_A = jnp.argsort(key_A, stable=True)
     sorted_e_A = idx_A[order_A]
     counts_E = jnp.zeros(n_experts, jnp.int32).at[idx_A].add(1)
     starts_E = jnp.cumsum(counts_E) - counts_E
@@ -163,20 +166,27 @@ def dropless_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
 
 
 def capacity_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
-                      capacity_factor: float) -> tuple[jax.Array, jax.Array]:
-    """Each expert processes at most C = ceil(A/E * capacity_factor) assignments (earlier tokens
-    first); returns (output, dropped fraction of assignments)."""
+                      capacity_factor: float, valid_N: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Each expert processes at most C = ceil(A/E * capacity_factor) assignments, real tokens
+    (valid_N) before padding, earlier tokens first; returns (output, dropped fraction of the
+    real tokens' assignments)."""
     n, k = idx_Nxk.shape
     e = wg_ExDxF.shape[0]
     a = n * k
     cap = max(1, math.ceil(a / e * capacity_factor))
-    order_A, sorted_e_A, rank_A, _ = _sort_by_expert(idx_Nxk.reshape(a), e)
+    valid_A = None if valid_N is None else jnp.repeat(valid_N.astype(bool), k)
+    order_A, sorted_e_A, rank_A, _ = _sort_by_expert(idx_Nxk.reshape(a), e, valid_A)
     keep = rank_A < cap
     dest_sorted = jnp.where(keep, sorted_e_A * cap + rank_A, e * cap)  # e*cap: dropped
     dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(dest_sorted)
     x_ExCxD = _gather_rows(x_NxD, dest_A, k, e * cap).reshape(e, cap, -1)
     y = expert_ffn(x_ExCxD, wg_ExDxF, wu_ExDxF, wo_ExFxD)
-    dropped = jnp.sum(~keep).astype(jnp.float32) / a
+    if valid_A is None:
+        dropped = jnp.sum(~keep).astype(jnp.float32) / a
+    else:
+        valid_sorted = valid_A[order_A]
+        dropped = jnp.sum(~keep & valid_sorted) / jnp.maximum(jnp.sum(valid_sorted), 1)
     return _combine(y.reshape(e * cap, -1), dest_A, weights_Nxk), dropped
 
 
@@ -231,6 +241,7 @@ class MoeBlock(nn.Module):
         b, t, d = x_BxTxD.shape
         e, f = c.n_experts, c.d_expert
         x_NxD = x_BxTxD.reshape(b * t, d)
+        mask_N = None if mask_BxT is None else mask_BxT.reshape(b * t)
         logits_NxE = Router(c, name="router")(x_NxD)
         replay_Nxk = None if replay_BxTxk is None else replay_BxTxk.reshape(b * t, c.top_k)
         idx_Nxk, weights_Nxk = select_experts(logits_NxE, c.top_k, c.norm_topk_prob, replay_Nxk)
@@ -246,7 +257,7 @@ class MoeBlock(nn.Module):
             y_NxD = dropless_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo)
         elif c.dispatch == "capacity":
             y_NxD, dropped = capacity_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo,
-                                               c.capacity_factor)
+                                               c.capacity_factor, mask_N)
         elif c.dispatch == "ragged":
             y_NxD = ragged_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo)
         else:
@@ -257,7 +268,6 @@ class MoeBlock(nn.Module):
             gate = dense(c, 1, ("embed", None), "shared_expert_gate")(xc)
             y_NxD = y_NxD + nn.sigmoid(gate.astype(jnp.float32)).astype(c.dtype) * shared
 
-        mask_N = None if mask_BxT is None else mask_BxT.reshape(b * t)
         stats = {"load_balance_loss": load_balance_loss(logits_NxE, idx_Nxk, mask_N),
                  "z_loss": z_loss(logits_NxE, mask_N), "dropped_frac": dropped}
         return (y_NxD.reshape(b, t, d), logits_NxE.reshape(b, t, e),

@@ -2,8 +2,8 @@
 
 `forward(config, params, tokens_BxT, ...)` is a pure function of a plain parameter pytree (the
 Linen module is applied inside), so the learner can `jax.grad` it and the engine can `jax.jit`
-it with static shapes. See model_contract (in the repository history) and the package
-docstring for the parameter tree and the cache layout.
+it with static shapes. The parameter tree is described in the package docstring
+(espo_jax/models/__init__.py); the cache layout in `init_cache`.
 """
 
 from __future__ import annotations

@@ -288,11 +288,20 @@ def test_capacity_dispatch_drops_excess_in_token_order(moe_inputs, jit):
     tokens 0..18 keep all three experts, tokens 19..36 lose all: dropped = 54/111."""
     x, _, gates, w = moe_inputs
     idx = jnp.broadcast_to(jnp.array([0, 1, 2]), (37, 3))
-    out, dropped = jit(moe.capacity_dispatch, static_argnums=6)(x, idx, gates, *w, 1.0)
+    dispatch = jit(moe.capacity_dispatch, static_argnums=6)
+    out, dropped = dispatch(x, idx, gates, *w, 1.0)
     ref = moe.dense_dispatch(x, idx, gates, *w)
     np.testing.assert_allclose(dropped, 54 / 111, rtol=1e-6)
     np.testing.assert_allclose(out[:19], ref[:19], atol=1e-5)
     np.testing.assert_array_equal(out[19:], 0.0)
+    # Tokens 0..9 are padding: real tokens take the capacity first, so tokens 10..28 are kept
+    # and 29..36 dropped: 8 of the 27 real tokens, dropped = 8*3 / (27*3) = 8/27.
+    valid = jnp.arange(37) >= 10
+    out, dropped = dispatch(x, idx, gates, *w, 1.0, valid)
+    np.testing.assert_allclose(dropped, 8 / 27, rtol=1e-6)
+    np.testing.assert_allclose(out[10:29], ref[10:29], atol=1e-5)
+    np.testing.assert_array_equal(out[29:], 0.0)
+    np.testing.assert_array_equal(out[:10], 0.0)
 
 
 def test_capacity_drops_are_counted(params, tokens, fwd):

@@ -61,6 +61,9 @@ def test_replayed_gate_weights_by_hand():
     np.testing.assert_allclose(w, [[1 / 3, 2 / 3], [4 / 7, 3 / 7]], rtol=1e-6)
     idx, w = moe.select_experts(logits, 2, False, replay)
     np.testing.assert_allclose(w, [[0.1, 0.2], [0.4, 0.3]], rtol=1e-6)
+    # an id outside [0, E) anywhere in a row also means "route normally" for that row
+    idx, _ = moe.select_experts(logits, 2, True, jnp.array([[0, 4], [1, -1]]))
+    np.testing.assert_array_equal(idx, [[3, 2], [3, 2]])
 
 
 @pytest.mark.parametrize("norm", [True, False])
