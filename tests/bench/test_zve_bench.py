@@ -1,0 +1,148 @@
+"""The zve benchmark's accounting: a scripted policy with hand-computed token counts, and the
+real engine + reward pool on a tiny random model."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from espo_jax.bench import zve as bench
+from espo_jax.data.zve_config import default_zve_config
+from espo_jax.models import get_preset, init_params
+from espo_jax.rewards.pool import RewardPool
+from espo_jax.rollout.engine import Engine
+from espo_jax.rollout.sampling import SamplingConfig
+
+# Scripted policy: p0 always right, p1 always wrong, p2 and p3 mixed; every response of pi
+# has LENGTHS[i] tokens. With G = 2 one epoch (each prompt once) generates
+# 2 * (3 + 5 + 7 + 11) = 52 tokens, of which p0 and p1's 2 * (3 + 5) = 16 have no contrast.
+LENGTHS = {"p0": 3, "p1": 5, "p2": 7, "p3": 11}
+OUTCOMES = {"p0": [1, 1], "p1": [0, 0], "p2": [1, 0], "p3": [0, 1]}
+PROMPTS = [{"prompt_id": pid} for pid in LENGTHS]
+
+
+class ScriptedPolicy:
+    def __init__(self):
+        self.plans = []
+
+    def __call__(self, plan):
+        self.plans.append([(p["prompt_id"], n) for p, n in plan])
+        return [{"prompt_id": p["prompt_id"], "lengths": [LENGTHS[p["prompt_id"]]] * n,
+                 "outcomes": [OUTCOMES[p["prompt_id"]][j % 2] for j in range(n)]}
+                for p, n in plan]
+
+
+def _config(*stages, n_samples=2):
+    c = default_zve_config()
+    c.n_samples = c.offline.k = n_samples
+    for stage in stages:
+        c[stage].enabled = True
+    return c
+
+
+def _spend(config, budget, prompts=PROMPTS, policy=None, offline=None):
+    return bench.spend_budget(prompts, config, policy or ScriptedPolicy(), budget_tokens=budget,
+                              groups_per_step=2, max_len=16, offline_rollout=offline)
+
+
+def test_cumulative_configs_add_one_stage_at_a_time():
+    configs = bench.cumulative_configs(default_zve_config())
+    assert [label for label, _ in configs] == list(bench.LABELS)
+    for i, (_, c) in enumerate(configs):
+        assert [c[s].enabled for s in bench.STAGES] == [j < i for j in range(6)]
+
+
+def test_plain_grpo_spends_two_epochs():
+    # budget 104 = 2 epochs: after 3 steps at most 52 + 2 * (7 + 11) = 88 < 104 tokens, so
+    # exactly 4 steps, whatever the epoch order; wasted 2 * 16 = 32 -> 32 / 104
+    s = _spend(_config(), 104)
+    assert (s.steps, s.tokens, s.wasted_tokens, s.offline_tokens) == (4, 104, 32, 0)
+    assert s.wasted_frac == pytest.approx(32 / 104)
+    assert (s.groups, s.zero_variance_groups, s.trained_groups, s.signal_groups) == (8, 4, 8, 4)
+
+
+def test_rl_zvp_gives_every_trained_group_signal():
+    s = _spend(_config("zvp"), 104)
+    assert (s.tokens, s.wasted_tokens, s.signal_groups) == (104, 0, 8)
+
+
+def test_offline_pass_counts_as_wasted_and_is_shared():
+    # offline: 4 prompts x k=2 = 52 tokens; p0, p1 pruned. Each step then takes p2 and p3:
+    # 2 * (7 + 11) = 36 tokens, all with contrast. 52 + 36 = 88 < 104 <= 124 -> 2 steps.
+    underlying = ScriptedPolicy()
+    shared = bench.memoized(underlying)
+    for _ in range(2):
+        s = _spend(_config("offline"), 104, offline=shared)
+        assert (s.steps, s.tokens, s.offline_tokens, s.wasted_tokens, s.pruned) == (
+            2, 124, 52, 52, 2)
+        assert s.wasted_frac == pytest.approx(52 / 124) and s.online_wasted_frac == 0.0
+    assert len(underlying.plans) == 1  # the second configuration reused the offline pass
+
+
+def test_filter_exhaustion_wastes_everything_without_raising():
+    # only p0 and p1 (never any contrast); filter: request round(2 * 1.5) = 3 groups, drop all,
+    # one refill of 3 more -> 6 groups = 3 epochs of (2 * 3 + 2 * 5) = 16 tokens = 48 tokens,
+    # then 2 dropped groups pad the batch. Budget 48 -> one step, all wasted.
+    c = _config("online_filter")
+    c.online_filter.max_refill_rounds = 1
+    s = _spend(c, 48, prompts=PROMPTS[:2])
+    assert (s.steps, s.tokens, s.wasted_tokens, s.groups) == (1, 48, 48, 6)
+    assert (s.trained_groups, s.signal_groups, s.refill_exhausted) == (2, 0, 1)
+
+
+def test_stops_when_stage_0_prunes_every_prompt():
+    s = _spend(_config("offline"), 1000, prompts=PROMPTS[:2])  # offline 2 * (3 + 5) = 16
+    assert (s.steps, s.tokens, s.wasted_tokens) == (0, 16, 16)
+    assert s.stopped == "stage 0 pruned all 2 prompts"
+    assert "(stage 0 pruned all 2 prompts)" in bench.table({"+0 offline prune": s})
+
+
+def test_bad_budget_is_an_error():
+    with pytest.raises(ValueError, match="budget_tokens"):
+        _spend(_config(), 0)
+
+
+def ids_text(ids):
+    return " ".join(str(int(t)) for t in ids)
+
+
+def first_token_even(text, answer):
+    """Reward of the engine test: a coin flip of the random policy (first token's parity)."""
+    return int(text.split()[0]) % 2 == 0
+
+
+@pytest.fixture(scope="module")
+def engine_and_pool():
+    config = get_preset("tiny")
+    engine = Engine(config, init_params(config, jax.random.key(0)), max_slots=8,
+                    max_cache_len=16, sampling=SamplingConfig(max_new_tokens=6))
+    pool = RewardPool(first_token_even, num_workers=1, backend="thread", detokenize=ids_text)
+    yield engine, pool, config.n_experts
+    pool.close()
+
+
+def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
+    engine, pool, n_experts = engine_and_pool
+    prompts = [{"prompt_id": f"q{i}", "tokens": [1, 3 + i, 7], "answer": ""} for i in range(6)]
+    c = _config("zvp", n_samples=4)
+    runs = []
+    for _ in range(2):  # a fresh callback each time, as each configuration of the benchmark
+        rollout = bench.engine_rollout(engine, pool, seed=0, n_experts=n_experts)
+        seen = []
+
+        def recording(plan, rollout=rollout, seen=seen):
+            groups = rollout(plan)
+            seen.extend(groups)
+            return groups
+
+        s = bench.spend_budget(prompts, c, recording, budget_tokens=60, groups_per_step=3,
+                               max_len=6)
+        # every response has 1..6 tokens: 3 groups x 4 responses = 12..72 tokens a step
+        assert all(1 <= n <= 6 for g in seen for n in g["lengths"])
+        assert s.tokens == sum(sum(g["lengths"]) for g in seen) >= 60
+        flat = sum(len(set(g["outcomes"])) == 1 for g in seen)
+        assert (s.groups, s.zero_variance_groups, s.signal_groups) == (len(seen), flat, len(seen))
+        assert 0 < sum(sum(g["outcomes"]) for g in seen) < 4 * len(seen)  # both outcomes occur
+        runs.append(dataclasses.replace(s, wall_s=0.0))
+    assert pool.metrics()["reward/failed"] == 0
+    assert runs[0] == runs[1]  # the i-th call of each configuration draws with the same key
