@@ -15,8 +15,11 @@ and reward pool until it has generated the same budget of tokens.
 A generated token is wasted (carries no gradient) when its group is not trained on (dropped by
 the online filter) or is trained on with all-equal rewards while RL-ZVP is off
 (`zve_metrics.step_metrics`). Stage 0's offline samples are all wasted: they estimate pass rates
-and are never trained on; they count against the budget of every configuration with stage 0
-(one offline pass is shared by those configurations: same policy, same samples).
+and are never trained on; they count against the budget of every configuration with stage 0.
+Generation is a deterministic function of the policy, the call number and the plan, so
+configurations making the same request share one generation (`numbered`): one offline pass
+serves every configuration with stage 0, and stages 2 and 3, which change rewards and
+accounting but not what is sampled, cost no extra generation.
 """
 
 from __future__ import annotations
@@ -132,36 +135,45 @@ def spend_budget(prompts: Sequence[Mapping], config: ml_collections.ConfigDict,
     return s
 
 
-def memoized(rollout: Rollout) -> Rollout:
-    """`rollout` that answers a plan it has seen with copies of its first answer (stage 0's
-    pass is the same plan, policy and samples for every configuration that has stage 0)."""
-    cache: dict[tuple, list[dict]] = {}
-
-    def fn(plan):
-        key = tuple((str(p["prompt_id"]), int(n)) for p, n in plan)
-        if key not in cache:
-            cache[key] = [dict(g) for g in rollout(plan)]
-        return [dict(g) for g in cache[key]]
-
-    return fn
+Generate = Callable[[int, list], list[dict]]
 
 
-def engine_rollout(engine, pool, *, seed: int, n_experts: int | None) -> Rollout:
-    """The main job's rollout callback without the buffer: engine + overlapped reward pool.
+def numbered(generate: Generate, cache: dict | None = None) -> Rollout:
+    """A pipeline callback that numbers its calls 0, 1, ... and answers call i with
+    `generate(i, plan)` (which draws its randomness from i alone).
 
-    `engine` holds the fixed policy. Call i draws with key fold_in(key(seed), i), so the i-th
-    call of every configuration uses the same key.
+    With `cache` (a dict shared by several callbacks), a (call number, plan) pair already
+    answered is answered again from it: `generate` is a deterministic function of both, so
+    configurations that make the same requests (stage 2 and 3 change rewards and accounting,
+    not what is sampled; one offline pass serves every configuration with stage 0) share one
+    generation instead of repeating it.
     """
+    calls = itertools.count()
+
+    def rollout(plan):
+        i = next(calls)
+        key = (i, tuple((str(p["prompt_id"]), int(n)) for p, n in plan))
+        if cache is None:
+            return generate(i, plan)
+        if key not in cache:
+            cache[key] = [dict(g) for g in generate(i, plan)]
+        return [dict(g) for g in cache[key]]  # the pipeline adds "rewards" to its copies
+
+    return rollout
+
+
+def engine_rollout(engine, pool, *, seed: int, n_experts: int | None) -> Generate:
+    """The main job's rollout without the buffer: `engine` (holding the fixed policy) with the
+    overlapped reward `pool`; call i draws with key fold_in(key(seed), i)."""
     import jax
 
     from espo_jax.rollout import scheduling
     from espo_jax.rollout.generate import generate_scored_groups
 
-    predictor = scheduling.LengthPredictor()
-    calls = itertools.count()
+    predictor = scheduling.LengthPredictor()  # admission order only: samples do not change
 
-    def rollout(plan):
-        key = jax.random.fold_in(jax.random.key(seed), next(calls))
+    def generate(i, plan):
+        key = jax.random.fold_in(jax.random.key(seed), i)
         groups = generate_scored_groups(engine, pool, plan, rng=key, policy_version=0,
                                         n_experts=n_experts, admission="longest_first",
                                         predictor=predictor)
@@ -173,7 +185,7 @@ def engine_rollout(engine, pool, *, seed: int, n_experts: int | None) -> Rollout
                         "outcomes": [int(bool(r.outcome)) for r in g.responses]})
         return out
 
-    return rollout
+    return generate
 
 
 def bench_config(quick: bool, prompts: int | None, init_from: str | None
@@ -226,16 +238,16 @@ def measure(config: ml_collections.ConfigDict, workdir: str, budget_tokens: int,
         run.engine.load_params(state.params)
         c, mc = config, run.setup.model_config
         n_experts = mc.n_experts if mc.n_moe_layers else None
-        offline = memoized(engine_rollout(run.engine, run.pool, seed=c.seed + 7,
-                                          n_experts=n_experts))
+        offline = engine_rollout(run.engine, run.pool, seed=c.seed + 7, n_experts=n_experts)
+        steps = engine_rollout(run.engine, run.pool, seed=c.seed, n_experts=n_experts)
+        offline_cache, step_cache = {}, {}
         results = {}
         for label, zcfg in cumulative_configs(c.zve):
-            rollout = engine_rollout(run.engine, run.pool, seed=c.seed, n_experts=n_experts)
-            spend = spend_budget(run.setup.train_prompts, zcfg, rollout,
+            spend = spend_budget(run.setup.train_prompts, zcfg, numbered(steps, step_cache),
                                  budget_tokens=budget_tokens,
                                  groups_per_step=c.rollout.prompts_per_step,
                                  max_len=c.rollout.max_new_tokens, seed=c.seed,
-                                 offline_rollout=offline)
+                                 offline_rollout=numbered(offline, offline_cache))
             results[label] = spend
             log(f"{label}: {spend.steps} steps, {spend.tokens} tokens, wasted "
                 f"{100 * spend.wasted_frac:.1f}% ({spend.wall_s:.0f} s)")

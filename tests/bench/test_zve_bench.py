@@ -40,8 +40,9 @@ def _config(*stages, n_samples=2):
     return c
 
 
-def _spend(config, budget, prompts=PROMPTS, policy=None, offline=None):
-    return bench.spend_budget(prompts, config, policy or ScriptedPolicy(), budget_tokens=budget,
+def _spend(config, budget, prompts=PROMPTS, offline=None):
+    policy = ScriptedPolicy()
+    return bench.spend_budget(prompts, config, policy, budget_tokens=budget,
                               groups_per_step=2, max_len=16, offline_rollout=offline)
 
 
@@ -69,10 +70,10 @@ def test_rl_zvp_gives_every_trained_group_signal():
 def test_offline_pass_counts_as_wasted_and_is_shared():
     # offline: 4 prompts x k=2 = 52 tokens; p0, p1 pruned. Each step then takes p2 and p3:
     # 2 * (7 + 11) = 36 tokens, all with contrast. 52 + 36 = 88 < 104 <= 124 -> 2 steps.
-    underlying = ScriptedPolicy()
-    shared = bench.memoized(underlying)
+    underlying, cache = ScriptedPolicy(), {}
     for _ in range(2):
-        s = _spend(_config("offline"), 104, offline=shared)
+        offline = bench.numbered(lambda i, plan: underlying(plan), cache)
+        s = _spend(_config("offline"), 104, offline=offline)
         assert (s.steps, s.tokens, s.offline_tokens, s.wasted_tokens, s.pruned) == (
             2, 124, 52, 52, 2)
         assert s.wasted_frac == pytest.approx(52 / 124) and s.online_wasted_frac == 0.0
@@ -125,24 +126,31 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
     engine, pool, n_experts = engine_and_pool
     prompts = [{"prompt_id": f"q{i}", "tokens": [1, 3 + i, 7], "answer": ""} for i in range(6)]
     c = _config("zvp", n_samples=4)
-    runs = []
-    for _ in range(2):  # a fresh callback each time, as each configuration of the benchmark
-        rollout = bench.engine_rollout(engine, pool, seed=0, n_experts=n_experts)
-        seen = []
+    generate = bench.engine_rollout(engine, pool, seed=0, n_experts=n_experts)
+    seen, calls = [], []
 
-        def recording(plan, rollout=rollout, seen=seen):
-            groups = rollout(plan)
-            seen.extend(groups)
-            return groups
+    def recording(i, plan):
+        calls.append(i)
+        groups = generate(i, plan)
+        seen.extend(groups)
+        return groups
 
-        s = bench.spend_budget(prompts, c, recording, budget_tokens=60, groups_per_step=3,
-                               max_len=6)
-        # every response has 1..6 tokens: 3 groups x 4 responses = 12..72 tokens a step
-        assert all(1 <= n <= 6 for g in seen for n in g["lengths"])
-        assert s.tokens == sum(sum(g["lengths"]) for g in seen) >= 60
-        flat = sum(len(set(g["outcomes"])) == 1 for g in seen)
-        assert (s.groups, s.zero_variance_groups, s.signal_groups) == (len(seen), flat, len(seen))
-        assert 0 < sum(sum(g["outcomes"]) for g in seen) < 4 * len(seen)  # both outcomes occur
-        runs.append(dataclasses.replace(s, wall_s=0.0))
-    assert pool.metrics()["reward/failed"] == 0
-    assert runs[0] == runs[1]  # the i-th call of each configuration draws with the same key
+    cache = {}
+    s = bench.spend_budget(prompts, c, bench.numbered(recording, cache), budget_tokens=60,
+                           groups_per_step=3, max_len=6)
+    # every response has 1..6 tokens: 3 groups x 4 responses = 12..72 tokens a step
+    assert all(1 <= n <= 6 for g in seen for n in g["lengths"])
+    assert s.tokens == sum(sum(g["lengths"]) for g in seen) >= 60
+    flat = sum(len(set(g["outcomes"])) == 1 for g in seen)
+    assert (s.groups, s.zero_variance_groups, s.signal_groups) == (len(seen), flat, len(seen))
+    assert 0 < sum(sum(g["outcomes"]) for g in seen) < 4 * len(seen)  # both outcomes occur
+    assert pool.metrics()["reward/failed"] == 0 and calls == list(range(s.steps))
+    # the same requests again: answered from the cache, generating nothing ...
+    again = bench.spend_budget(prompts, c, bench.numbered(recording, cache), budget_tokens=60,
+                               groups_per_step=3, max_len=6)
+    assert calls == list(range(s.steps))
+    # ... and equal to generating them afresh (call i draws with key i)
+    fresh = bench.spend_budget(prompts, c, bench.numbered(generate), budget_tokens=60,
+                               groups_per_step=3, max_len=6)
+    assert dataclasses.replace(again, wall_s=0.0) == dataclasses.replace(s, wall_s=0.0)
+    assert dataclasses.replace(fresh, wall_s=0.0) == dataclasses.replace(s, wall_s=0.0)
