@@ -258,13 +258,19 @@ def measure(config: ml_collections.ConfigDict, workdir: str, budget_tokens: int,
         run.logger.close()
 
 
+def _pct(num: float, den: float) -> str:
+    return f"{100 * num / den:.1f}%" if den else "-"
+
+
 def table(results: Mapping[str, Spend]) -> str:
+    """One row per configuration ("-": no step ran, so there is nothing to divide)."""
     rows = []
     for label, s in results.items():
+        step_tokens = s.tokens - s.offline_tokens
         rows.append([label, s.steps, s.tokens, s.offline_tokens,
-                     f"{100 * s.wasted_frac:.1f}%", f"{100 * s.online_wasted_frac:.1f}%",
-                     f"{100 * s.zero_variance_groups / max(s.groups, 1):.0f}%",
-                     s.trained_groups, s.signal_groups,
+                     _pct(s.wasted_tokens, s.tokens),
+                     _pct(s.wasted_tokens - s.offline_tokens, step_tokens),
+                     _pct(s.zero_variance_groups, s.groups), s.trained_groups, s.signal_groups,
                      f"{1000 * s.signal_groups / max(s.tokens, 1):.2f}"
                      + (f" ({s.stopped})" if s.stopped else "")])
     return format_table(
