@@ -1,0 +1,124 @@
+"""Every experiment config loads, validates, and (small variant) runs 2 RL steps end to end in
+this process: real TFDS data, warm start, FP8 engine, reward pool, buffer, learner, orbax
+checkpoints, summary.json and metrics.jsonl. One process, so repeated compilations hit the
+in-process and persistent caches. Real-scale experiments are validated, shaped (eval_shape) and
+sharded on paper; only their small variants run."""
+
+import glob
+import importlib.util
+import json
+import os
+
+import jax
+import pytest
+
+from espo_jax import configs, plot, sharding
+from espo_jax.models import init_params
+from espo_jax.models.config import get_preset
+from espo_jax.train import loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = sorted(os.path.basename(p)[:-3]
+                     for p in glob.glob(os.path.join(REPO, "experiments", "*.py")))
+REAL_SCALE = {"qwen3_30b_a3b"}  # full size validated and shaped here; its small variant runs
+SUMMARY_KEYS = ("warmstart_accuracy", "final_accuracy", "steps", "wall_seconds",
+                "generated_tokens", "wasted_token_fraction", "mean_abs_logp_mismatch")
+
+
+def load(name, arg=None):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "experiments",
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert "python -m espo_jax.main --config experiments/" in module.__doc__, (
+        f"{name}: the docstring must hold the command that runs it")
+    return module.get_config(arg)
+
+
+def test_the_arith_family_is_there():
+    assert {"arith_espo", "arith_grpo", "arith_dapo", "arith_gspo"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_loads_and_validates(name):
+    full, small = load(name), load(name, "small")
+    configs.validate(full, n_devices=jax.device_count())
+    configs.validate(small, n_devices=jax.device_count())
+    assert small.train.steps == 2 and small.model.preset == "tiny"
+    if name in REAL_SCALE:
+        return
+    # The arith baselines differ from the default experiment by the loss only.
+    base = load("arith_espo").to_dict()
+    diff = {k for k, v in full.to_dict().items() if base[k] != v}
+    assert diff <= {"loss"}, diff
+    assert full.loss.name == name.split("_", 1)[1]
+
+
+def test_unknown_experiment_argument():
+    with pytest.raises(ValueError, match=r"unknown experiment argument 'tiny'; valid: \['small"):
+        load("arith_espo", "tiny")
+
+
+@pytest.mark.parametrize("name", sorted(REAL_SCALE & set(EXPERIMENTS)))
+def test_real_scale_shapes_and_shardings_on_paper(name):
+    config = load(name)
+    configs.validate(config, n_devices=8)
+    model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
+    n_mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
+    mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
+    sharding.validate_divisibility(model_config, mesh)
+    shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
+    shardings = sharding.param_shardings(model_config, mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(shapes))
+    assert n_params > 1e9
+    for shape, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True):
+        s.shard_shape(shape.shape)  # raises if a dimension does not divide its mesh axes
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {}  # name -> (workdir, summary), shared with the plot test below
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_small_variant_runs_two_rl_steps(name, tmp_path_factory, runs):
+    config = load(name, "small")
+    configs.validate(config, n_devices=jax.device_count())
+    workdir = str(tmp_path_factory.mktemp(name))
+    summary = loop.run_sync(config, workdir)
+    with open(os.path.join(workdir, "summary.json")) as f:
+        on_disk = json.load(f)
+    for key in SUMMARY_KEYS:
+        assert key in on_disk, key
+    assert on_disk["steps"] == summary["steps"] == 2
+    assert 0.0 <= on_disk["warmstart_accuracy"] <= 1.0
+    assert 0.0 <= on_disk["final_accuracy"] <= 1.0
+    assert on_disk["generated_tokens"] > 0 and on_disk["wall_seconds"] > 0
+    assert 0.0 <= on_disk["wasted_token_fraction"] <= 1.0
+    # FP8 engine vs fp32 learner: a real, small, finite mismatch.
+    assert 0.0 < on_disk["mean_abs_logp_mismatch"] < 0.5
+    records = plot.read_records(os.path.join(workdir, "metrics.jsonl"))
+    rl_steps = [r["step"] for r in records if r["phase"] == "rl" and "train/loss" in r]
+    assert rl_steps == [1, 2]
+    phases = {r["phase"] for r in records}
+    assert {"warmstart", "eval", "rl"} <= phases
+    rl = [r for r in records if r["phase"] == "rl" and "train/loss" in r]
+    for key in ("mismatch/mean_abs_logp", "moe/routing_flip_rate", "zve/zero_variance_frac_before",
+                "entropy/mean", "train/grad_norm"):
+        assert all(r[key] is not None for r in rl), key
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
+    assert os.listdir(os.path.join(workdir, "tensorboard"))
+    runs[name] = workdir
+
+
+@pytest.mark.slow
+def test_plot_a_finished_run(runs):
+    if "arith_espo" not in runs:
+        pytest.skip("needs the arith_espo run of test_small_variant_runs_two_rl_steps")
+    written = plot.plot_run(runs["arith_espo"])
+    names = {os.path.basename(p) for p in written}
+    assert {"accuracy.png", "zero_variance.png", "mismatch.png", "entropy.png"} <= names
+    for path in written:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
