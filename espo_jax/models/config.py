@@ -43,6 +43,7 @@ class ModelConfig:
     dispatch: str = "dropless"  # see DISPATCHES and espo_jax/models/moe.py
     capacity_factor: float = 1.25  # only for dispatch == "capacity"
     init_std: float = 0.02  # normal init of kernels and embeddings (HF initializer_range)
+    remat: bool = False  # recompute each block's activations in the backward pass (memory)
 
     def __post_init__(self):
         errors = []

@@ -97,7 +97,8 @@ class Transformer(nn.Module):
             moe = c.is_moe_layer(i)
             replay = replay_BxTxMxk[:, :, m] if (moe and replay_BxTxMxk is not None) else None
             layer_cache = None if cache is None else cache[f"layers_{i}"]
-            x, layer_cache, routing = Block(c, moe, name=f"layers_{i}")(
+            block = nn.remat(Block) if c.remat else Block
+            x, layer_cache, routing = block(c, moe, name=f"layers_{i}")(
                 x, positions_BxT, valid_BxT, replay, layer_cache, cache_mask_BxS
             )
             x = _constrain(x)

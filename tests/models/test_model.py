@@ -9,6 +9,7 @@ import pytest
 
 from espo_jax.models import (
     ModelConfig,
+    forward,
     get_preset,
     init_params,
     lm_head_kernel,
@@ -316,3 +317,16 @@ def test_capacity_drops_are_counted(params, tokens, fwd):
 def test_config_is_hashable_and_static():
     assert hash(TINY) == hash(get_preset("tiny"))
     assert isinstance(TINY.replace(top_k=1), ModelConfig)
+
+
+def test_remat_gives_the_same_gradients(params, tokens, jit):
+    def loss(p, cfg):
+        out = forward(cfg, p, tokens)
+        return jnp.mean(jax.nn.logsumexp(out.logits, -1)) + out.aux_loss
+
+    grad = jit(jax.grad(loss), static_argnums=1)
+    remat = TINY.replace(remat=True)
+    assert grad.lower(params, remat).as_text().count("optimization_barrier") >= 2  # 1 per block
+    for a, b in zip(jax.tree_util.tree_leaves(grad(params, TINY)),
+                    jax.tree_util.tree_leaves(grad(params, remat)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-7)
