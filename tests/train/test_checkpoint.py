@@ -1,0 +1,74 @@
+"""Checkpointer (real orbax): bitwise round trip of the train state and its JSON meta, keep-N,
+explicit steps, a clear error when there is nothing to restore; and the metrics logger's JSONL."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax import configs
+from espo_jax.train import state as state_lib
+from espo_jax.train.checkpoint import Checkpointer
+from espo_jax.train.metrics import MetricLogger, read_jsonl
+
+
+def _state(seed):
+    optim = configs.default_config().optim
+    tx = state_lib.make_optimizer(optim, total_steps=10)
+    k = jax.random.key(seed)
+    params = {"w": jax.random.normal(k, (3, 4)), "b": jnp.arange(4.0) * seed}
+    state = state_lib.create_train_state(params, tx, jax.random.fold_in(k, 7))
+    grads = jax.tree.map(jnp.ones_like, params)
+    state, _ = state_lib.apply_gradients(state, grads, jnp.float32(1.0))  # non-zero moments
+    return state.replace(skipped=jnp.int32(seed))
+
+
+def _host(state):
+    return jax.device_get((state.params, state.opt_state, state.step, state.skipped,
+                           jax.random.key_data(state.rng)))
+
+
+def test_round_trip_keep_and_steps(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    meta = {"rl_step": 0, "cursor": {"version": 1, "streams": {"sync.a": [3, 0]}},
+            "mismatch_sum": 0.1 + 0.2, "zve": {"order": [[0, 1], [2, 3]]}, "warmstart": {}}
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step), {**meta, "rl_step": step})
+    ckpt.wait()
+    assert ckpt.latest_step() == 3
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["2", "3"]
+    template = _state(0)  # structure and shardings only
+    restored, got = ckpt.restore(template)
+    for a, b in zip(jax.tree.leaves(_host(restored)), jax.tree.leaves(_host(_state(3))),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got == {**meta, "rl_step": 3}
+    assert got["mismatch_sum"] == 0.30000000000000004  # floats survive JSON exactly
+    assert jax.dtypes.issubdtype(restored.rng.dtype, jax.dtypes.prng_key)
+    older, got2 = ckpt.restore(template, step=2)
+    assert got2["rl_step"] == 2 and int(older.skipped) == 2
+    ckpt.close()
+
+
+def test_restore_without_checkpoint_names_the_directory(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "empty"), async_save=False)
+    assert ckpt.latest_step() is None
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .*empty"):
+        ckpt.restore(_state(0))
+    ckpt.close()
+
+
+def test_metric_logger_jsonl(tmp_path):
+    logger = MetricLogger(str(tmp_path), tensorboard=False)
+    out = logger.write(3, {"a": jnp.float32(1.5), "b": np.array([1.0, 3.0]), "c": float("nan")})
+    logger.write(0, {"eval/accuracy": 0.25}, phase="eval")
+    logger.close()
+    assert out == {"a": 1.5, "b": 2.0, "c": out["c"]} and np.isnan(out["c"])  # arrays: mean
+    records = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    # Non-finite values are written as null, so the file stays strict JSON.
+    assert records == [{"step": 3, "phase": "rl", "a": 1.5, "b": 2.0, "c": None},
+                       {"step": 0, "phase": "eval", "eval/accuracy": 0.25}]
+    assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()
+    json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
