@@ -15,8 +15,9 @@ import optax
 class TrainState:
     """Everything the pure train step reads and writes.
 
-    `step` counts optimiser updates (including skipped ones, so schedules stay aligned with
-    time); `skipped` counts updates dropped for a non-finite loss or gradient.
+    `step` counts update attempts, skipped ones included; `skipped` counts updates dropped for
+    a non-finite loss or gradient. The learning-rate schedule follows the optimiser's own
+    count in `opt_state`, which a skipped update leaves unchanged (like every other moment).
     """
 
     params: Any
