@@ -8,12 +8,18 @@ Dispatch implementations (`ModelConfig.dispatch`):
   of a block of rows, and run one batched matmul over the blocks with each block's expert
   weights gathered. Every token reaches exactly its top-k experts (as Hugging Face and vLLM
   compute it); static shapes (A + E*(block-1) rows at most); the fastest exact dispatch
-  measured on CPU (see the report in the commit history / README).
+  measured on CPU.
 - "capacity": each expert takes at most C = ceil(A/E * capacity_factor) assignments, the rest
   are dropped (their contribution is zero) and counted in `moe/dropped_frac`.
 - "ragged": `jax.lax.ragged_dot` grouped matmul (exact; fast on GPU/TPU, slow on CPU).
 - "dense": every expert on every token, weighted by the sparse gates (exact; E/k times the
   compute; a reference).
+
+Measured on this project's 2-core CPU (preset `small`: 16 experts top-2, 16 x 128 tokens,
+jitted fp32 AdamW train step, CPU-seconds per step, medians of variants run round-robin):
+dropless 0.64, capacity 1.25 0.53 (drops tokens), capacity 2.0 0.63, dense 1.98, ragged 2.64;
+a dense-MLP model with the same active FLOPs 0.45. Dropless block sizes (16 experts, d_expert
+128): 16 rows 0.70, 32 0.55, 64 0.50, 128 0.52.
 """
 
 from __future__ import annotations
