@@ -135,8 +135,10 @@ class Engine:
         return f"jax-{self.precision}"
 
     def load_params(self, params: dict) -> None:
-        """Installs new (learner, float) weights, converted to the engine's precision."""
-        self.params, _ = engine_params(params, self.config, self.precision)
+        """Installs new (learner, float) weights, converted to the engine's precision and
+        placed on the device once (host numpy arrays, e.g. from `weights.load`, would otherwise
+        be transferred at every decode call)."""
+        self.params = jax.device_put(engine_params(params, self.config, self.precision)[0])
 
     # -- JetStream-shaped API --------------------------------------------------------------------
     def prefill_len(self, n: int) -> int:
