@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,6 +51,23 @@ class MetricLogger:
         if self._writer is not None:
             self._writer.flush()
             self._writer.close()
+
+
+def rollout_metrics(groups: Sequence[Any]) -> dict[str, float]:
+    """Per-step figures of the scored groups a learner trains on (`RolloutGroup`s):
+    `rollout/accuracy` (mean binary outcome), `rollout/reward_mean` / `rollout/reward_max`
+    (the shaped reward) and `rollout/response_len_mean` (tokens). Empty input gives zeros."""
+    responses = [r for g in groups for r in g.responses]
+    if not responses:
+        return {"rollout/accuracy": 0.0, "rollout/reward_mean": 0.0, "rollout/reward_max": 0.0,
+                "rollout/response_len_mean": 0.0}
+    rewards = np.array([r.reward for r in responses], np.float64)
+    return {
+        "rollout/accuracy": float(np.mean([bool(r.outcome) for r in responses])),
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_max": float(rewards.max()),
+        "rollout/response_len_mean": float(np.mean([r.length for r in responses])),
+    }
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from espo_jax import configs
+from espo_jax.rollout.records import Response, RolloutGroup
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
-from espo_jax.train.metrics import MetricLogger, read_jsonl
+from espo_jax.train.metrics import MetricLogger, read_jsonl, rollout_metrics
 
 
 def _state(seed):
@@ -72,3 +73,20 @@ def test_metric_logger_jsonl(tmp_path):
                        {"step": 0, "phase": "eval", "eval/accuracy": 0.25}]
     assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_rollout_metrics_by_hand():
+    def group(outcomes, rewards, lengths):
+        return RolloutGroup(
+            prompt_id="p", prompt_tokens=np.array([1]), policy_version=0, sampler="t",
+            created_at=0.0,
+            responses=[Response(tokens=np.full(n, 5), logprobs=np.zeros(n), outcome=o, reward=r)
+                       for o, r, n in zip(outcomes, rewards, lengths, strict=True)])
+
+    groups = [group([1, 0], [1.0, 0.0], [4, 6]), group([1, 1, 0], [0.9, 1.0, -0.5], [2, 2, 6])]
+    m = rollout_metrics(groups)
+    # 3 of 5 right; rewards sum 1 + 0 + 0.9 + 1 - 0.5 = 2.4 -> mean 0.48, max 1.0;
+    # lengths 4 + 6 + 2 + 2 + 6 = 20 -> mean 4.
+    assert m == {"rollout/accuracy": 0.6, "rollout/reward_mean": pytest.approx(0.48),
+                 "rollout/reward_max": 1.0, "rollout/response_len_mean": 4.0}
+    assert rollout_metrics([])["rollout/reward_mean"] == 0.0
