@@ -7,8 +7,8 @@ one mesh spans them all. Every process runs the same program on the same inputs;
 written by all processes together.
 
 Where the topology comes from (`resolve`, first match wins):
-  1. arguments (the main job's `--coordinator_address`, `--num_processes`, `--process_id`,
-     `--local_device_ids` flags),
+  1. arguments (the main job's `--coordinator_address`, `--num_processes`, `--process_id`
+     flags),
   2. `ESPO_COORDINATOR`, `ESPO_NUM_PROCESSES`, `ESPO_PROCESS_ID`, `ESPO_LOCAL_DEVICE_IDS`
      (launch scripts, tests; a number of processes of 1 means a single process),
   3. `ESPO_DISTRIBUTED=auto` or a Slurm step with `SLURM_NTASKS` > 1: plain
@@ -148,23 +148,6 @@ def initialize(
                  spec.source, jax.process_index(), jax.process_count(),
                  jax.local_device_count(), jax.device_count())
     return spec
-
-
-def define_flags() -> dict[str, Any]:
-    """absl flags of the main job for `initialize` (`--coordinator_address` etc.); returns the
-    flag holders by argument name: `initialize(**{k: f.value for k, f in holders.items()})`."""
-    from absl import flags
-
-    return {
-        "coordinator_address": flags.DEFINE_string(
-            "coordinator_address", None, "multi-host: host:port of process 0's coordinator"),
-        "num_processes": flags.DEFINE_integer(
-            "num_processes", None, "multi-host: number of JAX processes (1: single process)"),
-        "process_id": flags.DEFINE_integer(
-            "process_id", None, "multi-host: this process's index in [0, num_processes)"),
-        "local_device_ids": flags.DEFINE_string(
-            "local_device_ids", None, "multi-host: comma-separated local device ids to use"),
-    }
 
 
 def is_primary() -> bool:
@@ -315,7 +298,7 @@ def gather_to_host(tree: Any) -> Any:
 
 
 __all__ = [
-    "DistributedSpec", "broadcast_bytes", "broadcast_groups", "define_flags", "gather_to_host",
+    "DistributedSpec", "broadcast_bytes", "broadcast_groups", "gather_to_host",
     "global_from_local", "initialize", "is_primary", "process_rows", "put_batch", "put_global",
     "resolve", "sync",
 ]
