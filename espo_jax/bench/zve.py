@@ -9,8 +9,9 @@ the experiment's warm start is run here). No learner updates happen, so every co
 samples from the same policy and differences come from the stages alone. Configurations add
 the stages one at a time: plain GRPO sampling (every prompt once per epoch, G samples), then
 + stage 0 offline prune, + 1 adaptive samples, + 2 tie-break, + 3 RL-ZVP, + 4 online filter,
-+ 5 retirement. Each runs `ZVEPipeline` steps (the main job's driver) on the main job's engine
-and reward pool until it has generated the same budget of tokens.
++ 5 retirement; a last one has every stage but 4. Each runs `ZVEPipeline` steps (the main
+job's driver) on the main job's engine and reward pool until it has generated the same budget
+of tokens.
 
 A generated token is wasted (carries no gradient) when its group is not trained on (dropped by
 the online filter) or is trained on with all-equal rewards while RL-ZVP is off
@@ -44,20 +45,25 @@ from espo_jax.data.zve_pipeline import Rollout, ZVEPipeline
 STAGES = ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire")
 LABELS = ("plain GRPO", "+0 offline prune", "+1 adaptive samples", "+2 tie-break",
           "+3 RL-ZVP", "+4 online filter", "+5 retirement")
-# Full run: 150 of the experiment's 1000 RL prompts and a budget of 40k generated tokens per
+# Full run: 150 of the experiment's 1000 RL prompts and a budget of 50k generated tokens per
 # configuration (see `run`). Quick run: the `tiny` model, briefly warm-started on level 1.
-FULL_PROMPTS, FULL_BUDGET = 150, 40_000
+FULL_PROMPTS, FULL_BUDGET = 150, 50_000
 QUICK_PROMPTS, QUICK_BUDGET, QUICK_WARMSTART_STEPS = 16, 1_500, 60
 
 
-def cumulative_configs(base: ml_collections.ConfigDict
-                       ) -> list[tuple[str, ml_collections.ConfigDict]]:
-    """(label, zve config) with stages[:i] on and the rest off, i = 0..6; other fields `base`'s."""
+NO_FILTER = "all but 4 (online filter)"
+
+
+def stage_configs(base: ml_collections.ConfigDict
+                  ) -> list[tuple[str, ml_collections.ConfigDict]]:
+    """(label, zve config): stages[:i] on and the rest off for i = 0..6 (other fields `base`'s),
+    then every stage but the online filter, which with RL-ZVP on drops groups that carry
+    signal (RL-ZVP gives zero-variance groups an advantage; the filter discards them)."""
     out = []
-    for i, label in enumerate(LABELS):
+    for i, label in enumerate((*LABELS, NO_FILTER)):
         c = base.copy_and_resolve_references()
         for j, stage in enumerate(STAGES):
-            c[stage].enabled = j < i
+            c[stage].enabled = (stage != "online_filter") if label == NO_FILTER else j < i
         out.append((label, c))
     return out
 
@@ -242,7 +248,7 @@ def measure(config: ml_collections.ConfigDict, workdir: str, budget_tokens: int,
         steps = engine_rollout(run.engine, run.pool, seed=c.seed, n_experts=n_experts)
         offline_cache, step_cache = {}, {}
         results = {}
-        for label, zcfg in cumulative_configs(c.zve):
+        for label, zcfg in stage_configs(c.zve):
             spend = spend_budget(run.setup.train_prompts, zcfg, numbered(steps, step_cache),
                                  budget_tokens=budget_tokens,
                                  groups_per_step=c.rollout.prompts_per_step,

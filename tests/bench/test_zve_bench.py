@@ -46,11 +46,12 @@ def _spend(config, budget, prompts=PROMPTS, offline=None):
                               groups_per_step=2, max_len=16, offline_rollout=offline)
 
 
-def test_cumulative_configs_add_one_stage_at_a_time():
-    configs = bench.cumulative_configs(default_zve_config())
-    assert [label for label, _ in configs] == list(bench.LABELS)
-    for i, (_, c) in enumerate(configs):
+def test_stage_configs_add_one_stage_at_a_time_then_drop_the_filter():
+    configs = bench.stage_configs(default_zve_config())
+    assert [label for label, _ in configs] == [*bench.LABELS, bench.NO_FILTER]
+    for i, (_, c) in enumerate(configs[:-1]):
         assert [c[s].enabled for s in bench.STAGES] == [j < i for j in range(6)]
+    assert [configs[-1][1][s].enabled for s in bench.STAGES] == [1, 1, 1, 1, 0, 1]
 
 
 def test_plain_grpo_spends_two_epochs():
