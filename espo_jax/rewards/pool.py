@@ -16,9 +16,11 @@ worker is SIGKILLed and replaced, so a reward function stuck in a C loop or a `w
 one timeout, not a worker. Processes also score in parallel (no GIL), which is what overlap is
 for. Workers start with "forkserver" (not "fork": the parent runs JAX threads, and forking a
 threaded process is unsafe). "thread": same protocol with threads; a timed-out thread is
-abandoned (it keeps running until its function returns) and replaced. Use it for reward functions
-that cannot be pickled or are so cheap that a pipe round trip (~0.1 ms) matters. The engine
-benchmark measures both.
+abandoned (it keeps running, and a CPU-bound one keeps taking CPU, until its function returns)
+and replaced. Use it for reward functions that cannot be pickled. Measured overhead per response
+with a trivial reward and one worker (2000 responses, shared 2-core machine): process 0.26 ms,
+thread 0.22 ms (both use the same pipe protocol); a 20 ms reward in a pool of 4 costs 5.3 ms of
+wall per response (`python -m espo_jax.bench engine`).
 
 Reward function contract: `reward_fn(text, answer)` returns a bool (outcome; reward 1.0/0.0), a
 number (reward; outcome = reward > 0), or a mapping with "reward" and "outcome" and optional
