@@ -306,7 +306,9 @@ def run(quick: bool, *, init_from: str | None = None, budget_tokens: int | None 
     print(table(results))
     return {"budget_tokens": budget, "prompts": config.data.rl_prompts,
             "model": config.model.preset, "restored_from": out["restored_from"],
-            "warmstart": out["warmstart"],
+            "warmstart": out["warmstart"], "levels": [list(lv) for lv in config.data.levels],
+            "train_levels": list(config.data.train_levels),
+            "zve": config.zve.to_dict(),
             "configurations": {k: v.figures() for k, v in results.items()}}
 
 
