@@ -5,6 +5,7 @@ CPU, same seeds). Real subprocesses, real orbax checkpoints, real buffer shards.
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,23 +21,33 @@ from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXPERIMENT = os.path.join(REPO, "experiments", "arith_espo.py")
 STEPS = 3  # killed once step 2 is logged: mid-RL, with a step still to go
 
 
-def _command(workdir):
-    return [sys.executable, "-m", "espo_jax.main", "--config", f"{EXPERIMENT}:small",
+def _command(workdir, code):
+    return [sys.executable, "-m", "espo_jax.main", "--config",
+            os.path.join(code, "experiments", "arith_espo.py:small"),
             "--workdir", str(workdir), f"--config.train.steps={STEPS}",
             "--config.checkpoint.every=1", "--config.checkpoint.keep=2",
             "--config.eval.pass_k=0"]
 
 
-def _start(workdir, log_name):
+def _snapshot(dest):
+    """A copy of the package and experiments: the three runs execute the same code even if
+    the working tree is edited while the test runs (minutes)."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    for name in ("espo_jax", "experiments"):
+        shutil.copytree(os.path.join(REPO, name), os.path.join(dest, name), ignore=ignore)
+    return str(dest)
+
+
+def _start(workdir, log_name, code):
     log = open(os.path.join(os.path.dirname(workdir), log_name), "w")  # noqa: SIM115
-    # One CPU device (no fake devices from conftest), as the command runs outside the tests.
+    # One CPU device (no fake devices from conftest), as the command runs outside the tests;
+    # the snapshot first on the path (python -m puts the working directory first).
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen(_command(workdir), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env=env), log
+    return subprocess.Popen(_command(workdir, code), cwd=code, stdout=log,
+                            stderr=subprocess.STDOUT, env=env), log
 
 
 def _rl_steps_logged(workdir):
@@ -71,8 +82,9 @@ def _restore(workdir, config, step=STEPS):
     return jax.device_get((state.params, state.opt_state, state.step, state.skipped)), meta
 
 
-def _load_experiment_config():
-    spec = importlib.util.spec_from_file_location("arith_espo", EXPERIMENT)
+def _load_experiment_config(code):
+    spec = importlib.util.spec_from_file_location(
+        "arith_espo", os.path.join(code, "experiments", "arith_espo.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config("small")
@@ -83,8 +95,9 @@ def _load_experiment_config():
 @pytest.mark.slow
 def test_sigkill_mid_rl_then_rerun_is_bitwise_equal_to_uninterrupted(tmp_path):
     killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
-    clean, clean_log = _start(clean_dir, "clean.log")  # in parallel: wall time, not CPU
-    victim, victim_log = _start(killed_dir, "killed.log")
+    code = _snapshot(tmp_path / "code")
+    clean, clean_log = _start(clean_dir, "clean.log", code)  # in parallel: wall time, not CPU
+    victim, victim_log = _start(killed_dir, "killed.log", code)
     deadline = time.time() + 600
     while 2 not in _rl_steps_logged(killed_dir):
         assert victim.poll() is None, "the run ended before it could be killed mid-RL"
@@ -96,12 +109,12 @@ def test_sigkill_mid_rl_then_rerun_is_bitwise_equal_to_uninterrupted(tmp_path):
     assert not (killed_dir / "summary.json").exists()
     assert max(_rl_steps_logged(killed_dir)) < STEPS
 
-    resumed, resumed_log = _start(killed_dir, "resumed.log")
+    resumed, resumed_log = _start(killed_dir, "resumed.log", code)
     resumed_text = _finish(resumed, resumed_log)
     assert "resuming from" in resumed_text  # it did not silently start over
     _finish(clean, clean_log)
 
-    config = _load_experiment_config()
+    config = _load_experiment_config(code)
     (p1, o1, step1, skip1), meta1 = _restore(str(killed_dir), config)
     (p2, o2, step2, skip2), meta2 = _restore(str(clean_dir), config)
     leaves1, leaves2 = jax.tree.leaves((p1, o1)), jax.tree.leaves((p2, o2))
