@@ -209,7 +209,8 @@ def apply_small(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.zve.adaptive.min_samples = 4
     config.zve.adaptive.max_samples = 4
     config.rollout.num_slots = 16
-    config.rollout.max_new_tokens = 16
+    config.rollout.max_new_tokens = 24
+    config.warmstart.levels = config.warmstart.levels[:1]  # short worked solutions fit 24 tokens
     config.train.steps = 2
     config.train.updates_per_batch = 1
     config.train.micro_batches = 1
@@ -235,19 +236,21 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     c.train.replay = "r3"
     for stage in ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire"):
         c.zve[stage].enabled = True  # every MS-ZVE stage
-    # Levels 1..4 = chains of 2..5 one-digit terms: the warm start learns the step on short
-    # chains, RL has to extend it to long ones (length generalisation, with a non-zero pass rate).
-    c.data.levels = ((2, 1), (3, 1), (4, 1), (5, 1))
-    c.data.train_levels = (1, 2, 3, 4)
-    c.data.eval_levels = (1, 2, 3, 4)
+    # Levels 1..5 = chains of 2..6 one-digit terms: the warm start learns the step on chains of
+    # 2-4 terms, RL has to extend it to longer ones (length generalisation).
+    c.data.levels = ((2, 1), (3, 1), (4, 1), (5, 1), (6, 1))
+    c.data.train_levels = (2, 3, 4, 5)
+    c.data.eval_levels = (1, 2, 3, 4, 5)
     c.data.rl_prompts = 1000  # RL prompt pool (stage 0 samples every one of them)
     c.rollout.max_prompt_len = 16  # `1+7+9-5-9=` + bos
-    c.rollout.max_new_tokens = 44  # `1+7=8,8+9=17,17-5=12,12-9=3#3` + eos (<= 40 + 1)
+    c.rollout.max_new_tokens = 52  # `4+2=6,6-7=-1,-1-0=-1,-1-2=-3,-3+2=-1#-1` + eos (<= 51)
     c.rollout.prompts_per_step = 16
     c.zve.n_samples = 8
     c.zve.offline.k = 4
-    c.warmstart.steps = 500
-    c.warmstart.levels = (1, 2)
+    c.zve.offline.low = -1.0  # stage 0 prunes only always-solved prompts: unsolved ones are
+    # what RL must learn; stage 5 retires those that stay unsolved
+    c.warmstart.steps = 600
+    c.warmstart.levels = (1, 2, 3)
     c.warmstart.lr = 2e-3
     c.warmstart.eval_every = 100
     c.warmstart.target_accuracy = 0.95

@@ -16,6 +16,11 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "experiment config file", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and buffer")
+# Multi-host (espo_jax/distributed.py): else ESPO_COORDINATOR / ESPO_NUM_PROCESSES /
+# ESPO_PROCESS_ID, else Slurm or ESPO_DISTRIBUTED=auto (TPU), else one process.
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes (hosts)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -27,16 +32,22 @@ def main(argv) -> int:
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from espo_jax import configs
+    from espo_jax import configs, distributed
 
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     config, workdir = _CONFIG.value, _WORKDIR.value
     configs.validate(config, n_devices=jax.device_count())
+    if jax.process_count() > 1 and (config.mode, config.train.loop) != ("train", "async"):
+        raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
+                         "train.loop=async runs multi-host (rollout workers are single processes)")
     logging.getLogger().setLevel(logging.INFO)
     os.makedirs(workdir, exist_ok=True)
     if config.mode == "rollout":
         from espo_jax.rollout import worker
 
-        return worker.main_from_config(config, workdir)
+        return worker.main_from_config(
+            config, workdir, index=int(os.environ.get("ESPO_WORKER_INDEX", "0")),
+            num_workers=int(os.environ.get("ESPO_NUM_WORKERS", "1")))
     if config.train.loop == "async":
         from espo_jax.train import async_loop
 

@@ -25,7 +25,7 @@ def default_zve_config() -> ml_collections.ConfigDict:
     c.offline = ml_collections.ConfigDict()  # stage 0
     c.offline.enabled = False  # prune by an offline pass-rate estimate (`offline_prune`)
     c.offline.k = 8  # samples per prompt the caller draws for the estimate (`offline_plan`)
-    c.offline.low = 0.0  # prune prompts with pass rate <= low (never solved)
+    c.offline.low = 0.0  # prune prompts with pass rate <= low (never solved); < 0 keeps them
     c.offline.high = 1.0  # prune prompts with pass rate >= high (always solved)
     c.offline.reprobe_pruned = True  # with stage 5 on, pruned prompts are re-probed too
 
@@ -71,8 +71,9 @@ def validate_zve_config(c: ml_collections.ConfigDict) -> None:
     a, f, r, o = c.adaptive, c.online_filter, c.retire, c.offline
     checks = [
         (c.n_samples >= 1, f"n_samples must be >= 1, got {c.n_samples}"),
-        (0.0 <= o.low < o.high <= 1.0,
-         f"offline needs 0 <= low < high <= 1, got low={o.low}, high={o.high}"),
+        (-1.0 <= o.low < o.high <= 1.0,
+         f"offline needs -1 <= low < high <= 1 (low < 0: never prune unsolved prompts), got "
+         f"low={o.low}, high={o.high}"),
         (o.k >= 1, f"offline.k must be >= 1, got {o.k}"),
         (1 <= a.min_samples <= a.max_samples,
          f"adaptive needs 1 <= min_samples <= max_samples, got {a.min_samples}, {a.max_samples}"),

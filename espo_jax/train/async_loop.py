@@ -22,6 +22,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from espo_jax import distributed
 from espo_jax.data.zve_metrics import step_metrics
 from espo_jax.rewards.shaping import tie_break_rewards
 from espo_jax.rollout import weights
@@ -69,14 +70,15 @@ class AsyncRun(Run):
 
     def _groups(self, reader: BufferReader, n: int, version: int) -> list:
         """`n` groups from the buffer (blocking), as MS-ZVE group dicts."""
-        out = []
-        while len(out) < n:
-            for g in reader.read(n - len(out), timeout_s=600.0, policy_version=version):
-                out.append({"prompt_id": g.prompt_id, "group": g,
-                            "outcomes": [int(bool(r.outcome)) for r in g.responses],
-                            "lengths": [r.length for r in g.responses]})
+        read = []
+        while distributed.is_primary() and len(read) < n:  # process 0 reads, all train on it
+            read += reader.read(n - len(read), timeout_s=600.0, policy_version=version)
             if self._dead_workers():
                 raise RuntimeError(f"rollout workers died: {self._dead_workers()}")
+        out = [{"prompt_id": g.prompt_id, "group": g,
+                "outcomes": [int(bool(r.outcome)) for r in g.responses],
+                "lengths": [r.length for r in g.responses]}
+               for g in distributed.broadcast_groups(read if distributed.is_primary() else None)]
         tb = self.config.zve.tie_break
         for g in out:
             outcomes = np.asarray(g["outcomes"], np.float32)
@@ -86,6 +88,14 @@ class AsyncRun(Run):
                                               band=tb.band)
                             if tb.enabled else outcomes)
         return out
+
+    def _publish(self, publish_dir: str, version: int, params) -> None:
+        """All processes gather the parameters (a collective); process 0 writes them, with the
+        Hugging Face export that vLLM workers load."""
+        host = distributed.gather_to_host(params)
+        if distributed.is_primary():
+            weights.publish(publish_dir, version, self.setup.model_config, host,
+                            hf_export=self.config.rollout.engine == "vllm")
 
     def _dead_workers(self) -> list[str]:
         return [f"{p.name} (exit {p.exitcode})" for p in self.procs if not p.is_alive()]
@@ -98,14 +108,14 @@ class AsyncRun(Run):
         step = meta["rl_step"]
         found = weights.latest(publish_dir)
         if found is None or found[0] < step:
-            weights.publish(publish_dir, step, s.model_config, state.params)
+            self._publish(publish_dir, step, state.params)
         reader = BufferReader(self.buffer_dir, cursor=meta["cursor"],
                               max_staleness=c.train.max_staleness,
                               retention="keep" if c.buffer.keep_consumed else "delete")
         from espo_jax.data.online_filter import OnlineFilter
 
         online = OnlineFilter(c.zve.online_filter)
-        self.procs = start_workers(c, self.workdir)
+        self.procs = start_workers(c, self.workdir) if distributed.is_primary() else []
         try:
             while step < c.train.steps:
                 t_step = time.time()
@@ -122,7 +132,7 @@ class AsyncRun(Run):
                 lags = [step - g.policy_version for g in groups]
                 state, lmetrics = learner.update(state, groups)
                 step += 1
-                weights.publish(publish_dir, step, s.model_config, state.params)
+                self._publish(publish_dir, step, state.params)
                 self.record_step(meta, step, zmetrics, lmetrics)
                 outcomes = [r.outcome for g in groups for r in g.responses]
                 metrics = {**zmetrics, **lmetrics,
@@ -139,7 +149,8 @@ class AsyncRun(Run):
                     meta.update(cursor=reader.cursor)
                     self.ckpt.save(step, state, meta)
                     self.ckpt.wait()
-                    reader.commit(meta["cursor"])
+                    if distributed.is_primary():
+                        reader.commit(meta["cursor"])
         finally:
             codes = stop_workers(self.procs)
             reader.close()

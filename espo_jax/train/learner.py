@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from espo_jax import distributed
 from espo_jax.rl.advantages import ADVANTAGES
 from espo_jax.rollout.records import RolloutGroup
 from espo_jax.train import step as step_lib
@@ -131,7 +132,9 @@ class Learner:
         """Old-policy pass over the whole rollout batch, then one update per minibatch.
 
         Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
-        batches = [jax.device_put(b, self.batch_sharding) for b in self.minibatches(groups)]
+        # Each process transfers only the rows of its own devices (the same on one process).
+        batches = [distributed.put_batch(b, self.batch_sharding)
+                   for b in self.minibatches(groups)]
         prepared, metrics = [], []
         for b in batches:
             b, m = self._old_pass(state.params, b)

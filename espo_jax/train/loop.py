@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from espo_jax import sharding
+from espo_jax import distributed, sharding
 from espo_jax.data.zve_pipeline import ZVEPipeline
 from espo_jax.rewards.pool import RewardPool
 from espo_jax.rollout import scheduling
@@ -80,6 +80,8 @@ class Run:
 
     # -- pieces -----------------------------------------------------------------------------
     def evaluate(self, params, prompts=None) -> dict:
+        if jax.process_count() > 1:  # every process evaluates on its own devices
+            params = distributed.gather_to_host(params)
         self.eval_engine.load_params(params)
         return evaluate(self.eval_engine, prompts or self.setup.eval_prompts, decode=self.decode,
                         verify=self.verify, pass_k=self.config.eval.pass_k,
@@ -88,7 +90,8 @@ class Run:
     def _initial_params(self):
         s = self.setup
         if s.hf_params is not None:
-            return sharding.shard_params(s.hf_params, s.model_config, s.mesh)
+            return distributed.put_global(s.hf_params,
+                                          sharding.param_shardings(s.model_config, s.mesh))
         return sharding.init_sharded(s.model_config, s.mesh, rng=jax.random.key(self.config.seed))
 
     def _new_state(self, params):
@@ -143,8 +146,9 @@ class Run:
             "warmstart": meta["warmstart"],
             "final": final,
         }
-        with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        if distributed.is_primary():
+            with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
         self.ckpt.close()
         self.logger.close()
         return summary

@@ -11,7 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from espo_jax import sharding
+from espo_jax import distributed, sharding
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig, get_preset
 from espo_jax.models.tokenizer import CharTokenizer, load_tokenizer
@@ -107,7 +107,11 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     n_mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
     sharding.validate_divisibility(model_config, mesh)
+    if not distributed.is_primary():  # process 0 prepares the TFDS data, the others wait
+        distributed.sync("prompt_sources")
     train, warm, test = _prompt_sources(config, workdir, tokenizer)
+    if distributed.is_primary():
+        distributed.sync("prompt_sources")
     if config.data.rl_prompts:
         train = balanced_subset(train, config.data.rl_prompts, seed=config.seed)
     eval_prompts = balanced_subset(test, config.eval.num_prompts, seed=config.seed)
