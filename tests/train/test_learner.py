@@ -262,3 +262,45 @@ def test_update_skips_a_nan_minibatch(learner_setup):
     assert int(state.skipped) == 3 and m["train/skipped_update"] == 1.0
     for x, y in zip(before, _host((state.params, state.opt_state)), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_replay_modes(learner_setup):
+    learner, params, make_state, generated = learner_setup
+    c = learner.config
+    state_shardings = jax.tree.map(lambda x: x.sharding, make_state(params))
+    learners = {"r3": learner}
+    for mode in ("r2", "off"):
+        cm = c.copy_and_resolve_references()
+        cm.train.replay = mode
+        learners[mode] = Learner(cm, learner.model_config, learner.mesh, state_shardings)
+    rewards = [[1.0, 0.0], [0.0, 1.0]]
+
+    def first_update(mode, groups):
+        """Metrics of the old-policy pass and the first optimiser update (both at `params`:
+        later minibatches start from parameters that Adam's first step, lr * g / |g|, has
+        moved by +-lr wherever float noise flips the sign of a near-zero gradient)."""
+        lrn = learners[mode]
+        batch = jax.device_put(lrn.minibatches(groups)[0], lrn.batch_sharding)
+        batch, m_old = lrn._old_pass(params, batch)
+        _, m = lrn._train_step(make_state(params), batch)
+        return {k: float(v) for k, v in {**m_old, **m}.items()}
+
+    # True recordings: the fp32 engine routed exactly as the learner does, so replaying them
+    # (r3), replaying the learner's own old routing (r2) or routing live (off) train alike.
+    m3 = first_update("r3", _groups(generated, rewards))
+    for mode in ("r2", "off"):
+        m = first_update(mode, _groups(generated, rewards))
+        for key in ("train/loss", "train/grad_norm", "pg/loss"):
+            assert m[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-9), (mode, key)
+    # Recordings forced to experts {0, 1} at every token: the flip rate reports the
+    # disagreement, and only r3 trains through the forced experts.
+    forced = _groups(generated, rewards)
+    for g in forced:
+        for r in g.responses:
+            r.routed_experts = np.where(r.routed_experts >= 0, np.array([0, 1], np.int16), -1)
+    f3, f2 = first_update("r3", forced), first_update("r2", forced)
+    assert m3["moe/routing_flip_rate"] == 0.0 and f3["moe/routing_flip_rate"] > 0.5
+    assert f3["mismatch/mean_abs_logp"] > 10 * m3["mismatch/mean_abs_logp"]
+    assert f3["train/grad_norm"] != pytest.approx(m3["train/grad_norm"], rel=1e-3)
+    for key in ("train/loss", "train/grad_norm"):  # r2 ignores the recordings
+        assert f2[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-9), key
