@@ -169,11 +169,11 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
             errors.append(
                 f"mesh data*fsdp*expert*tensor = {mesh} but only {n_devices} devices are visible"
             )
-    for check, section in ((validate_loss_config, config.loss), (validate_zve_config, config.zve)):
+    for check, key in ((validate_loss_config, "loss"), (validate_zve_config, "zve")):
         try:
-            check(section)
+            check(config[key])
         except ValueError as e:
-            errors.append(str(e))
+            errors.append(f"config.{key}: {e}")
     if errors:
         raise ValueError("invalid config: " + "; ".join(errors))
 

@@ -29,6 +29,7 @@ from espo_jax.rollout import weights
 from espo_jax.rollout.buffer import BufferReader
 from espo_jax.train.learner import Learner
 from espo_jax.train.loop import Run
+from espo_jax.train.metrics import rollout_metrics
 
 
 def _worker_main(config_json: str, workdir: str, index: int) -> None:
@@ -134,9 +135,7 @@ class AsyncRun(Run):
                 step += 1
                 self._publish(publish_dir, step, state.params)
                 self.record_step(meta, step, zmetrics, lmetrics)
-                outcomes = [r.outcome for g in groups for r in g.responses]
-                metrics = {**zmetrics, **lmetrics,
-                           "rollout/accuracy": float(np.mean(outcomes)) if outcomes else 0.0,
+                metrics = {**zmetrics, **lmetrics, **rollout_metrics(groups),
                            "async/staleness_max": float(max(lags, default=0)),
                            "async/staleness_mean": float(np.mean(lags)) if lags else 0.0,
                            "async/stale_dropped": float(reader.stats["stale_dropped"]),

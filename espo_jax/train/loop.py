@@ -17,7 +17,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from espo_jax import distributed, sharding
 from espo_jax.data.zve_pipeline import ZVEPipeline
@@ -33,7 +32,7 @@ from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.evaluate import evaluate
 from espo_jax.train.learner import Learner
-from espo_jax.train.metrics import MetricLogger
+from espo_jax.train.metrics import MetricLogger, rollout_metrics
 from espo_jax.train.warmstart import warm_start
 
 
@@ -95,7 +94,9 @@ class Run:
         return sharding.init_sharded(s.model_config, s.mesh, rng=jax.random.key(self.config.seed))
 
     def _new_state(self, params):
-        tx = state_lib.make_optimizer(self.config.optim, self.config.train.steps)
+        # The schedule counts optimiser updates: updates_per_batch per RL step.
+        tc = self.config.train
+        tx = state_lib.make_optimizer(self.config.optim, tc.steps * tc.updates_per_batch)
         make = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))
         return make(params)
 
@@ -230,9 +231,7 @@ class SyncRun(Run):
             state, lmetrics = learner.update(state, groups)
             step += 1
             self.record_step(meta, step, zmetrics, lmetrics)
-            outcomes = [r.outcome for g in groups for r in g.responses]
-            metrics = {**zmetrics, **lmetrics, **self.pool.metrics(),
-                       "rollout/accuracy": float(np.mean(outcomes)) if outcomes else 0.0,
+            metrics = {**zmetrics, **lmetrics, **self.pool.metrics(), **rollout_metrics(groups),
                        "time/step_s": time.time() - t_step}
             if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
                 metrics.update(self.evaluate(state.params))
