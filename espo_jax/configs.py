@@ -254,7 +254,7 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     c.warmstart.lr = 2e-3
     c.warmstart.eval_every = 100
     c.warmstart.target_accuracy = 0.95
-    c.optim.lr = 2e-4
+    c.optim.lr = 3e-5  # 2e-4 drifted: held-out accuracy fell 52% -> 37% in 20 steps
     c.train.steps = 80
     c.train.updates_per_batch = 2
     c.eval.num_prompts = 200

@@ -153,11 +153,9 @@ class AsyncRun(Run):
         finally:
             codes = stop_workers(self.procs)
             reader.close()
-        meta["worker_exit_codes"] = codes
-        summary = self.finish(state, meta)
-        summary["worker_exit_codes"] = codes
-        summary["stale_dropped"] = int(reader.stats["stale_dropped"])
-        return summary
+        self.extra_summary = {"worker_exit_codes": codes,
+                              "stale_dropped": int(reader.stats["stale_dropped"])}
+        return self.finish(state, meta)
 
 
 def run_async(config, workdir: str) -> dict:

@@ -62,7 +62,10 @@ def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
 class Run:
     """What every loop shares: set-up, resume order, warm start, evaluation, summary.
 
-    Subclasses implement `run()` and return `finish(state, meta)`."""
+    Subclasses implement `run()` and return `finish(state, meta)`; what they put in
+    `extra_summary` goes into summary.json too."""
+
+    extra_summary: dict = {}
 
     def __init__(self, config, workdir: str):
         self.t0 = time.time()
@@ -127,6 +130,10 @@ class Run:
             state = self._new_state(params)
         meta["warmstart"] = self.evaluate(state.params)
         self.logger.write(0, meta["warmstart"], phase="eval")
+        # Step 0 = the warm-started policy: a crash during RL never repeats the warm start, and
+        # other runs can start from it with `checkpoint.init_from`.
+        self.ckpt.save(0, state, meta)
+        self.ckpt.wait()
         return state, meta
 
     def finish(self, state, meta) -> dict:
@@ -146,6 +153,7 @@ class Run:
             "skipped_updates": int(jax.device_get(state.skipped)),
             "warmstart": meta["warmstart"],
             "final": final,
+            **self.extra_summary,
         }
         if distributed.is_primary():
             with open(os.path.join(self.workdir, "summary.json"), "w") as f:
