@@ -45,8 +45,10 @@ from espo_jax.data.zve_pipeline import Rollout, ZVEPipeline
 STAGES = ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire")
 LABELS = ("plain GRPO", "+0 offline prune", "+1 adaptive samples", "+2 tie-break",
           "+3 RL-ZVP", "+4 online filter", "+5 retirement")
-# Full run: 150 of the experiment's 1000 RL prompts and a budget of 50k generated tokens per
-# configuration (see `run`). Quick run: the `tiny` model, briefly warm-started on level 1.
+# Full run: 150 of the experiment's 1000 RL prompts, 50k generated tokens per configuration
+# (~2 min on 2 cores). The main run (80 steps, ~7k tokens a step, an 84k-token offline pass)
+# scaled by 150/1000 would be ~95k: pass --budget for it. Quick run: the `tiny` model, briefly
+# warm-started on level 1.
 FULL_PROMPTS, FULL_BUDGET = 150, 50_000
 QUICK_PROMPTS, QUICK_BUDGET, QUICK_WARMSTART_STEPS = 16, 1_500, 60
 
