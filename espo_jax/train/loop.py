@@ -104,14 +104,17 @@ class Run:
         return make(params)
 
     def _start(self):
-        """Resume order: WORKDIR's latest checkpoint, then `checkpoint.init_from`, then scratch
-        (with the warm start)."""
+        """Resume order: WORKDIR's latest checkpoint, then WORKDIR's warm-started policy, then
+        `checkpoint.init_from`, then scratch (with the warm start)."""
         c = self.config
         state = self._new_state(self._initial_params())
-        if self.ckpt.latest_step() is not None:
-            state, meta = self.ckpt.restore(state)
-            logging.info("resuming from %s at RL step %d", self.workdir, meta["rl_step"])
-            return state, meta
+        warm = Checkpointer(os.path.join(self.workdir, "warmstart"), keep=1, async_save=False)
+        for ckpt in (self.ckpt, warm):
+            if ckpt.latest_step() is not None:
+                state, meta = ckpt.restore(state)
+                logging.info("resuming from %s at RL step %d", ckpt.directory, meta["rl_step"])
+                warm.close()
+                return state, meta
         meta = {"rl_step": 0, "generated_tokens": 0, "wasted_tokens": 0, "offline_tokens": 0,
                 "mismatch_sum": 0.0, "mismatch_n": 0, "cursor": None, "zve": None,
                 "predictor": None, "warmstart": {}}
@@ -130,10 +133,11 @@ class Run:
             state = self._new_state(params)
         meta["warmstart"] = self.evaluate(state.params)
         self.logger.write(0, meta["warmstart"], phase="eval")
-        # Step 0 = the warm-started policy: a crash during RL never repeats the warm start, and
-        # other runs can start from it with `checkpoint.init_from`.
-        self.ckpt.save(0, state, meta)
-        self.ckpt.wait()
+        # The warm-started policy (RL step 0), kept apart from the RL checkpoints' retention: a
+        # crash during RL never repeats the warm start, and other runs can start from it
+        # (`--config.checkpoint.init_from=WORKDIR/warmstart`, e.g. the baselines).
+        warm.save(0, state, meta)
+        warm.close()
         return state, meta
 
     def finish(self, state, meta) -> dict:
