@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from espo_jax.data.tfds_offline import OfflineBuilder
+from espo_jax.rewards.verifiers import last_boxed
 
 _QUESTION_KEYS = ("question", "problem", "prompt")
 
@@ -51,19 +52,6 @@ def math_jsonl_config(train: str | None = None, test: str | None = None,
             digest.update(split.encode() + b"\0" + f.read())
     return MathJsonlConfig(name=f"h{digest.hexdigest()[:10]}",
                            paths=tuple(sorted(paths.items())))
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` (nested braces allowed), else None."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    if not starts:
-        return None
-    depth, start = 1, starts[-1]
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start:i].strip()
-    return None  # unbalanced braces
 
 
 def extract_final_answer(record: dict) -> str | None:

@@ -64,7 +64,9 @@ class _Timeout(BaseException):
     do not swallow it and go on computing."""
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` (nested braces allowed), stripped;
+    None when there is none or its braces do not balance."""
     starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
     if not starts:
         return None
@@ -72,12 +74,12 @@ def _last_boxed(text: str) -> str | None:
     for i in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[start:i]
+            return text[start:i].strip()
     return None
 
 
 def _answer_text(response: str) -> str:
-    boxed = _last_boxed(response)
+    boxed = last_boxed(response)
     if boxed is not None:
         return f"${boxed}$"
     if "####" in response:
