@@ -28,7 +28,7 @@ from espo_jax.rewards.shaping import tie_break_rewards
 from espo_jax.rollout import weights
 from espo_jax.rollout.buffer import BufferReader
 from espo_jax.train.learner import Learner
-from espo_jax.train.loop import Run
+from espo_jax.train.loop import Run, rewarded_groups, zve_group
 from espo_jax.train.metrics import rollout_metrics
 
 
@@ -76,9 +76,7 @@ class AsyncRun(Run):
             read += reader.read(n - len(read), timeout_s=600.0, policy_version=version)
             if self._dead_workers():
                 raise RuntimeError(f"rollout workers died: {self._dead_workers()}")
-        out = [{"prompt_id": g.prompt_id, "group": g,
-                "outcomes": [int(bool(r.outcome)) for r in g.responses],
-                "lengths": [r.length for r in g.responses]}
+        out = [zve_group(g)
                for g in distributed.broadcast_groups(read if distributed.is_primary() else None)]
         tb = self.config.zve.tie_break
         for g in out:
@@ -125,11 +123,7 @@ class AsyncRun(Run):
                 zmetrics = step_metrics(result.generated, result.batch,
                                         zvp_enabled=c.zve.zvp.enabled)
                 zmetrics.update(online.metrics(result))
-                groups = []
-                for b in result.batch:
-                    for r, reward in zip(b["group"].responses, b["rewards"], strict=True):
-                        r.reward = float(reward)
-                    groups.append(b["group"])
+                groups = rewarded_groups(result.batch)
                 lags = [step - g.policy_version for g in groups]
                 state, lmetrics = learner.update(state, groups)
                 step += 1

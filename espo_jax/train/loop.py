@@ -59,6 +59,22 @@ def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
     return removed
 
 
+def zve_group(group) -> dict:
+    """A buffer `RolloutGroup` as the group dict MS-ZVE works on (binary outcomes, lengths)."""
+    return {"prompt_id": group.prompt_id, "group": group,
+            "outcomes": [int(bool(r.outcome)) for r in group.responses],
+            "lengths": [r.length for r in group.responses]}
+
+
+def rewarded_groups(batch: list[dict]) -> list:
+    """The `RolloutGroup`s of MS-ZVE's training batch, with MS-ZVE's (possibly stage-2 shaped)
+    rewards written into their responses: what the learner's advantages read."""
+    for b in batch:
+        for r, reward in zip(b["group"].responses, b["rewards"], strict=True):
+            r.reward = float(reward)
+    return [b["group"] for b in batch]
+
+
 class Run:
     """What every loop shares: set-up, resume order, warm start, evaluation, summary.
 
@@ -220,9 +236,7 @@ class SyncRun(Run):
             if len(read) != len(groups):
                 raise RuntimeError(f"buffer returned {len(read)} of {len(groups)} groups; "
                                    f"reader errors: {list(reader.errors)[-3:]}")
-            return [{"prompt_id": g.prompt_id, "group": g,
-                     "outcomes": [int(bool(r.outcome)) for r in g.responses],
-                     "lengths": [r.length for r in g.responses]} for g in read]
+            return [zve_group(g) for g in read]
 
         if step == 0 and c.zve.offline.enabled:
             self.engine.load_params(state.params)
@@ -234,12 +248,7 @@ class SyncRun(Run):
             rounds[0] = 0
             self.engine.load_params(state.params)
             batch, zmetrics = zve.step(c.rollout.prompts_per_step, rollout)
-            groups = []
-            for b in batch:
-                g = b["group"]
-                for r, reward in zip(g.responses, b["rewards"], strict=True):
-                    r.reward = float(reward)
-                groups.append(g)
+            groups = rewarded_groups(batch)
             state, lmetrics = learner.update(state, groups)
             step += 1
             self.record_step(meta, step, zmetrics, lmetrics)
