@@ -4,7 +4,10 @@ A group whose samples all get the same binary outcome gives group-relative losse
 The scheduler avoids generating such groups, from each prompt's history:
 
 - stage 0 (`offline_prune`): prompts whose offline pass rate (k samples from the starting
-  policy, drawn by the caller from `offline_plan()`) is <= low or >= high are pruned;
+  policy, drawn by the caller from `offline_plan()`) is <= low or >= high are pruned; with
+  `early_stop` the caller draws one sample per round and stops a prompt as soon as no outcome
+  of its remaining samples could prune it (`offline_undecided`), which is the same decision
+  for a fraction of the samples;
 - stage 1 (adaptive samples): with p the prompt's pass-rate estimate, a group of n samples is
   all-equal with probability p^n + (1-p)^n. The prompt gets the smallest n in
   [min_samples, max_samples] (rounded up to `multiple`) with that probability <= target_zv. A
@@ -40,6 +43,19 @@ NORMAL, PROBE = 0, 1  # kinds of entries in an epoch's order
 _STATE_VERSION = 1
 # Epochs in a row with nothing to sample (beyond the re-probe interval) -> an error, not a hang.
 _EMPTY_EPOCHS_BEFORE_ERROR = 1000
+
+
+def offline_undecided(successes: int, samples: int, cfg: ml_collections.ConfigDict) -> bool:
+    """Stage 0's early stop: True while more samples could still prune the prompt.
+
+    After `successes` right of `samples` (of `cfg.k`), the final pass rate lies in
+    [s / k, (s + k - samples) / k]; when that interval misses both `rate <= low` and
+    `rate >= high`, the prompt is kept whatever the remaining samples say, so drawing them
+    would be waste. Pruning decisions are the same as with all k samples drawn.
+    """
+    if samples >= cfg.k:
+        return False
+    return successes / cfg.k <= cfg.low or (successes + cfg.k - samples) / cfg.k >= cfg.high
 
 
 def zero_variance_prob(p: float, n: int) -> float:
@@ -94,10 +110,12 @@ class PromptScheduler:
         """Every prompt with `offline.k` samples: what the caller generates for `offline_prune`."""
         return [(p, self.config.offline.k) for p in self.prompts]
 
-    def offline_prune(self, pass_rates: Mapping[str, float]) -> list[str]:
+    def offline_prune(self, pass_rates: Mapping[str, float],
+                      counts: Mapping[str, int] | None = None) -> list[str]:
         """Stage 0: prunes prompts with pass rate <= low or >= high; returns their ids.
 
-        The estimates also seed the history (as `offline.k` samples each) for stage 1. A no-op
+        The estimates also seed the history for stage 1, as `counts[pid]` samples each (default
+        `offline.k`: a prompt sampled fewer times by the early stop counts what it got). A no-op
         returning [] when stage 0 is disabled, so a driver can call it unconditionally.
         """
         cfg = self.config.offline
@@ -108,7 +126,8 @@ class PromptScheduler:
             i = self._lookup(pid)
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"offline_prune: pass rate of {pid!r} is {rate}, not in [0, 1]")
-            self.succ[i], self.trials[i] = rate * cfg.k, float(cfg.k)
+            n = float(cfg.k if counts is None else counts[pid])
+            self.succ[i], self.trials[i] = rate * n, n
             if (rate <= cfg.low or rate >= cfg.high) and self.status[i] == ACTIVE:
                 self.status[i] = PRUNED
                 self.next_probe[i] = max(self.epoch, 0) + self.config.retire.reprobe_every

@@ -27,6 +27,7 @@ def default_zve_config() -> ml_collections.ConfigDict:
     c.offline.k = 8  # samples per prompt the caller draws for the estimate (`offline_plan`)
     c.offline.low = 0.0  # prune prompts with pass rate <= low (never solved); < 0 keeps them
     c.offline.high = 1.0  # prune prompts with pass rate >= high (always solved)
+    c.offline.early_stop = True  # one sample per round; stop a prompt once it cannot be pruned
     c.offline.reprobe_pruned = True  # with stage 5 on, pruned prompts are re-probed too
 
     c.adaptive = ml_collections.ConfigDict()  # stage 1

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from espo_jax.data.online_filter import OnlineFilter
-from espo_jax.data.prompt_scheduler import PromptScheduler, binary_outcomes
+from espo_jax.data.prompt_scheduler import PromptScheduler, binary_outcomes, offline_undecided
 from espo_jax.data.zve_metrics import step_metrics
 
 Rollout = Callable[[list[tuple[Mapping, int]]], Sequence[dict]]
@@ -35,7 +35,8 @@ class ZVEPipeline:
                  seed: int = 0, *, max_len: int):
         self.config, self.max_len = config, int(max_len)
         self.scheduler = PromptScheduler(prompts, config, seed)
-        self.filter = OnlineFilter(config.online_filter)
+        # RL-ZVP gives zero-variance groups signal: the filter must not drop them then.
+        self.filter = OnlineFilter(config.online_filter, keep_zero_variance=config.zvp.enabled)
 
     def _rollout(self, rollout: Rollout, plan: list[tuple[Mapping, int]]) -> list[dict]:
         groups = list(rollout(plan))
@@ -49,16 +50,35 @@ class ZVEPipeline:
         return groups
 
     def offline_prune(self, rollout: Rollout) -> tuple[list[str], dict[str, float]]:
-        """Stage 0: k samples per prompt, pass rates, pruning. Returns (pruned ids, metrics)."""
-        if not self.config.offline.enabled:
+        """Stage 0: up to k samples per prompt, pass rates, pruning. Returns (pruned ids,
+        metrics). With `offline.early_stop`, one sample per prompt per `rollout` call, and only
+        for prompts that more samples could still prune (`offline_undecided`)."""
+        cfg = self.config.offline
+        if not cfg.enabled:
             return [], {}
-        groups = self._rollout(rollout, self.scheduler.offline_plan())
-        rates = {g["prompt_id"]: float(binary_outcomes(g["outcomes"]).mean()) for g in groups}
-        pruned = self.scheduler.offline_prune(rates)
+        outcomes: dict[str, list] = {str(p["prompt_id"]): [] for p in self.scheduler.prompts}
+        rollouts = tokens = 0
+
+        def draw(plan):
+            nonlocal rollouts, tokens
+            for g in self._rollout(rollout, plan):
+                outcomes[str(g["prompt_id"])] += binary_outcomes(g["outcomes"]).tolist()
+                rollouts += len(g["outcomes"])
+                tokens += int(np.sum(g["lengths"]))
+
+        if not cfg.early_stop:
+            draw(self.scheduler.offline_plan())
+        else:
+            by_id = {str(p["prompt_id"]): p for p in self.scheduler.prompts}
+            while plan := [(by_id[pid], 1) for pid, o in outcomes.items()
+                           if offline_undecided(sum(o), len(o), cfg)]:
+                draw(plan)
+        rates = {pid: float(np.mean(o)) for pid, o in outcomes.items()}
+        pruned = self.scheduler.offline_prune(rates, {pid: len(o) for pid, o in outcomes.items()})
         return pruned, {
             "zve/offline_pruned": float(len(pruned)),
-            "zve/offline_rollouts": float(sum(len(g["outcomes"]) for g in groups)),
-            "zve/offline_tokens": float(sum(int(np.sum(g["lengths"])) for g in groups)),
+            "zve/offline_rollouts": float(rollouts),
+            "zve/offline_tokens": float(tokens),
         }
 
     def _generate(self, rollout: Rollout, n_groups: int) -> list[dict]:

@@ -113,7 +113,7 @@ class AsyncRun(Run):
                               retention="keep" if c.buffer.keep_consumed else "delete")
         from espo_jax.data.online_filter import OnlineFilter
 
-        online = OnlineFilter(c.zve.online_filter)
+        online = OnlineFilter(c.zve.online_filter, keep_zero_variance=c.zve.zvp.enabled)
         self.procs = start_workers(c, self.workdir) if distributed.is_primary() else []
         try:
             while step < c.train.steps:

@@ -8,6 +8,7 @@ import pytest
 from espo_jax.data.prompt_scheduler import (
     PromptScheduler,
     adaptive_samples,
+    offline_undecided,
     zero_variance_prob,
 )
 from espo_jax.data.zve_config import default_zve_config, validate_zve_config
@@ -220,3 +221,16 @@ def test_config_validation_names_the_field():
         validate_zve_config(cfg)
     with pytest.raises(ValueError, match="'p0' appears more than once"):
         PromptScheduler(_prompts(1) * 2, default_zve_config())
+
+
+def test_offline_undecided_by_hand():
+    cfg = default_zve_config().offline
+    cfg.k, cfg.low, cfg.high = 4, 0.0, 1.0
+    assert offline_undecided(0, 0, cfg)  # nothing drawn: anything is possible
+    assert offline_undecided(3, 3, cfg)  # 3 of 3 right: a 4th right prunes at rate 1
+    assert not offline_undecided(1, 2, cfg)  # 1 of 2: the rate ends in [1/4, 3/4], kept
+    assert not offline_undecided(0, 4, cfg)  # all k drawn
+    cfg.low = 0.25  # prune at <= 1 right of 4
+    assert offline_undecided(1, 2, cfg)  # 1 of 2 may end at 1/4
+    assert offline_undecided(2, 2, cfg)  # 2 of 2 may still end at 4 of 4
+    assert not offline_undecided(2, 3, cfg)  # ends at 2/4 or 3/4

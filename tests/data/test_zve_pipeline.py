@@ -55,14 +55,21 @@ def test_plain_grpo_wastes_what_the_pass_rates_predict():
     assert all(np.all(g["rewards"] == g["outcomes"]) for b, _ in history for g in b)
 
 
-def test_all_stages_cut_the_waste():
+def _all_stages(zvp):
     cfg = default_zve_config()
     for stage in ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire"):
         cfg[stage].enabled = True
-    zve, pruned, offline, history, wasted_frac = _run(cfg)
+    cfg.zvp.enabled = zvp
+    return cfg
+
+
+def test_all_stages_but_rl_zvp_cut_the_waste():
+    zve, pruned, offline, history, wasted_frac = _run(_all_stages(zvp=False))
     # stage 0 prunes exactly the 15 settled prompts (k = 8 samples of rate 0 or 1)
     assert sorted(pruned) == sorted(f"q{i}" for i in range(15))
-    assert offline["zve/offline_rollouts"] == 20 * 8
+    # early stop: the 15 settled prompts take all 8 samples; a coin-flip prompt stops at its
+    # first outcome that differs from the first (>= 2 samples, at most 8)
+    assert 15 * 8 + 5 * 2 <= offline["zve/offline_rollouts"] <= 20 * 8
     # left: the coin-flip prompts; the filter keeps the batch full (static size)
     assert all(len(batch) == 4 for batch, _ in history)
     # stage 1 (target .1): p = .5 needs n = 5 (2 / 2^5 = .0625), rounded up to 8; re-probes
@@ -77,6 +84,57 @@ def test_all_stages_cut_the_waste():
     # left: the filter's surplus and the re-probes of pruned prompts, versus ~.75 for plain GRPO
     assert wasted_frac < 0.1
     assert all(g["rewards"].dtype == np.float32 for b, _ in history for g in b)
+
+
+def test_with_rl_zvp_the_filter_drops_nothing():
+    # RL-ZVP gives zero-variance groups an advantage, so the filter keeps them: one generation
+    # round per step, every group trained on, and no generated token without signal
+    _, pruned, _, history, wasted_frac = _run(_all_stages(zvp=True))
+    assert len(pruned) == 15
+    assert all(m["zve/refill_rounds"] == 0 and m["zve/filter_padded"] == 0 for _, m in history)
+    assert all(m["zve/groups_generated"] == len(b) == 4 for b, m in history)
+    assert wasted_frac == 0.0
+    # the re-probes of pruned prompts (stage 5) bring zero-variance groups into the batch
+    assert sum(m["zve/zero_variance_frac_before"] for _, m in history) > 0
+
+
+def test_offline_early_stop_keeps_the_decisions_and_saves_samples():
+    # outcome j of prompt i is SCRIPT[i][j]: the same samples with and without the early stop
+    script = {"a": [1, 1, 1, 1], "b": [0, 0, 0, 0], "c": [1, 0, 1, 1], "d": [0, 0, 0, 1],
+              "e": [1, 1, 1, 0]}
+    prompts = [{"prompt_id": pid} for pid in script]
+
+    def run(early_stop, low):
+        drawn = dict.fromkeys(script, 0)
+
+        def policy(plan):
+            out = []
+            for p, n in plan:
+                pid, j = p["prompt_id"], drawn[p["prompt_id"]]
+                drawn[pid] += n
+                out.append({"prompt_id": pid, "outcomes": script[pid][j:j + n],
+                            "lengths": [10] * n})
+            return out
+
+        cfg = default_zve_config()
+        cfg.offline.enabled, cfg.offline.k, cfg.offline.low = True, 4, low
+        cfg.offline.early_stop = early_stop
+        zve = ZVEPipeline(prompts, cfg, max_len=MAX_LEN)
+        pruned, m = zve.offline_prune(policy)
+        return sorted(pruned), drawn, m, zve
+
+    full_pruned, full_drawn, full_m, _ = run(False, 0.0)
+    assert full_pruned == ["a", "b"] and full_m["zve/offline_rollouts"] == 20
+    pruned, drawn, m, zve = run(True, 0.0)
+    # a, b can be pruned until the end; c is mixed after 2, d after 4, e after 4
+    assert pruned == full_pruned and drawn == {"a": 4, "b": 4, "c": 2, "d": 4, "e": 4}
+    assert m["zve/offline_rollouts"] == 18 and m["zve/offline_tokens"] == 180
+    # stage 1's history holds what was drawn: c at 1 right of 2
+    assert zve.scheduler.trials[zve.scheduler._lookup("c")] == 2.0
+    assert zve.scheduler.pass_rate("c") == 0.5
+    # low < 0 (only always-solved prompts are pruned): the first wrong outcome settles a prompt
+    pruned, drawn, _, _ = run(True, -1.0)
+    assert pruned == ["a"] and drawn == {"a": 4, "b": 1, "c": 2, "d": 1, "e": 4}
 
 
 def test_retirement_alone_lowers_waste_over_epochs():
