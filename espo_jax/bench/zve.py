@@ -9,7 +9,8 @@ the experiment's warm start is run here). No learner updates happen, so every co
 samples from the same policy and differences come from the stages alone. Configurations add
 the stages one at a time: plain GRPO sampling (every prompt once per epoch, G samples), then
 + stage 0 offline prune, + 1 adaptive samples, + 2 tie-break, + 3 RL-ZVP, + 4 online filter,
-+ 5 retirement; a last one has every stage but 4. Each runs `ZVEPipeline` steps (the main
++ 5 retirement; a last one has every stage but 3 (RL-ZVP), the setting in which the online
+filter acts (with RL-ZVP on, zero-variance groups carry signal and stage 4 keeps them). Each runs `ZVEPipeline` steps (the main
 job's driver) on the main job's engine and reward pool until it has generated the same budget
 of tokens.
 
@@ -53,19 +54,19 @@ FULL_PROMPTS, FULL_BUDGET = 150, 50_000
 QUICK_PROMPTS, QUICK_BUDGET, QUICK_WARMSTART_STEPS = 16, 1_500, 60
 
 
-NO_FILTER = "all but 4 (online filter)"
+NO_ZVP = "all but 3 (RL-ZVP)"
 
 
 def stage_configs(base: ml_collections.ConfigDict
                   ) -> list[tuple[str, ml_collections.ConfigDict]]:
     """(label, zve config): stages[:i] on and the rest off for i = 0..6 (other fields `base`'s),
-    then every stage but the online filter, which with RL-ZVP on drops groups that carry
-    signal (RL-ZVP gives zero-variance groups an advantage; the filter discards them)."""
+    then every stage but RL-ZVP: without it a zero-variance group has no signal, and the
+    online filter drops it and refills (with RL-ZVP on, the filter keeps every group)."""
     out = []
-    for i, label in enumerate((*LABELS, NO_FILTER)):
+    for i, label in enumerate((*LABELS, NO_ZVP)):
         c = base.copy_and_resolve_references()
         for j, stage in enumerate(STAGES):
-            c[stage].enabled = (stage != "online_filter") if label == NO_FILTER else j < i
+            c[stage].enabled = (stage != "zvp") if label == NO_ZVP else j < i
         out.append((label, c))
     return out
 

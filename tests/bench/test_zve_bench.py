@@ -22,14 +22,20 @@ PROMPTS = [{"prompt_id": pid} for pid in LENGTHS]
 
 
 class ScriptedPolicy:
+    """Sample j of prompt pi (counted over calls) has outcome OUTCOMES[pi][j % 2]."""
+
     def __init__(self):
-        self.plans = []
+        self.plans, self.drawn = [], dict.fromkeys(LENGTHS, 0)
 
     def __call__(self, plan):
         self.plans.append([(p["prompt_id"], n) for p, n in plan])
-        return [{"prompt_id": p["prompt_id"], "lengths": [LENGTHS[p["prompt_id"]]] * n,
-                 "outcomes": [OUTCOMES[p["prompt_id"]][j % 2] for j in range(n)]}
-                for p, n in plan]
+        out = []
+        for p, n in plan:
+            pid, j = p["prompt_id"], self.drawn[p["prompt_id"]]
+            self.drawn[pid] += n
+            out.append({"prompt_id": pid, "lengths": [LENGTHS[pid]] * n,
+                        "outcomes": [OUTCOMES[pid][(j + i) % 2] for i in range(n)]})
+        return out
 
 
 def _config(*stages, n_samples=2):
@@ -46,12 +52,12 @@ def _spend(config, budget, prompts=PROMPTS, offline=None):
                               groups_per_step=2, max_len=16, offline_rollout=offline)
 
 
-def test_stage_configs_add_one_stage_at_a_time_then_drop_the_filter():
+def test_stage_configs_add_one_stage_at_a_time_then_drop_rl_zvp():
     configs = bench.stage_configs(default_zve_config())
-    assert [label for label, _ in configs] == [*bench.LABELS, bench.NO_FILTER]
+    assert [label for label, _ in configs] == [*bench.LABELS, bench.NO_ZVP]
     for i, (_, c) in enumerate(configs[:-1]):
         assert [c[s].enabled for s in bench.STAGES] == [j < i for j in range(6)]
-    assert [configs[-1][1][s].enabled for s in bench.STAGES] == [1, 1, 1, 1, 0, 1]
+    assert [configs[-1][1][s].enabled for s in bench.STAGES] == [1, 1, 1, 0, 1, 1]
 
 
 def test_plain_grpo_spends_two_epochs():
@@ -78,7 +84,9 @@ def test_offline_pass_counts_as_wasted_and_is_shared():
         assert (s.steps, s.tokens, s.offline_tokens, s.wasted_tokens, s.pruned) == (
             2, 124, 52, 52, 2)
         assert s.wasted_frac == pytest.approx(52 / 124) and s.online_wasted_frac == 0.0
-    assert len(underlying.plans) == 1  # the second configuration reused the offline pass
+    # the early-stopped pass ran once, in k = 2 rounds of one sample per prompt; the second
+    # configuration reused it
+    assert underlying.plans == [[(pid, 1) for pid in LENGTHS]] * 2
 
 
 def test_filter_exhaustion_wastes_everything_without_raising():
