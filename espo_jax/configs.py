@@ -42,6 +42,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.levels = ((2, 1), (3, 1), (2, 2), (3, 2), (4, 2))  # arith_chains (terms, digits)
     c.data.train_per_level = 2000  # arith_chains problems per level in the train split
     c.data.test_per_level = 200  # arith_chains problems per level in the test split
+    c.data.index_hints = False  # arith_chains: letter labels on terms (index hints)
     c.data.rl_prompts = 0  # RL prompt pool: this many train prompts spread over levels (0: all)
     c.data.jsonl_train = ""  # math_jsonl: path of the training JSONL
     c.data.jsonl_test = ""  # math_jsonl: path of the test JSONL
@@ -53,6 +54,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.warmstart.lr = 3e-3
     c.warmstart.eval_every = 200  # steps between accuracy checks on the warm-start levels
     c.warmstart.target_accuracy = 0.9  # stop early once greedy accuracy on its levels reaches this
+    c.warmstart.max_seconds = 0.0  # stop after this much wall time (0: no limit)
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # "jax" (embedded) or "vllm" (GPU workers)
@@ -142,12 +144,18 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     _choice(errors, config, "train.replay", REPLAY_MODES)
     for key in (
         "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
-        "rollout.num_slots", "train.steps", "train.updates_per_batch", "train.micro_batches",
+        "rollout.num_slots", "train.updates_per_batch", "train.micro_batches",
         "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
     ):
         section, name = key.split(".")
         if int(config[section][name]) < 1:
             errors.append(f"config.{key} must be >= 1, got {config[section][name]}")
+    if config.train.steps < 0:
+        errors.append(f"config.train.steps must be >= 0 (0: warm start only), got "
+                      f"{config.train.steps}")
+    if config.warmstart.max_seconds < 0:
+        errors.append(f"config.warmstart.max_seconds must be >= 0 (0: no limit), got "
+                      f"{config.warmstart.max_seconds}")
     if config.rollout.temperature <= 0:
         errors.append(f"config.rollout.temperature must be > 0, got {config.rollout.temperature}")
     if not errors:
@@ -239,11 +247,12 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     # Levels 1..5 = chains of 2..6 one-digit terms: the warm start learns the step on chains of
     # 2-4 terms, RL has to extend it to longer ones (length generalisation).
     c.data.levels = ((2, 1), (3, 1), (4, 1), (5, 1), (6, 1))
+    c.data.index_hints = True
     c.data.train_levels = (2, 3, 4, 5)
     c.data.eval_levels = (1, 2, 3, 4, 5)
     c.data.rl_prompts = 1000  # RL prompt pool (stage 0 samples every one of them)
-    c.rollout.max_prompt_len = 16  # `1+7+9-5-9=` + bos
-    c.rollout.max_new_tokens = 52  # `4+2=6,6-7=-1,-1-0=-1,-1-2=-3,-3+2=-1#-1` + eos (<= 51)
+    c.rollout.max_prompt_len = 20  # `a1b+7c+9d-5e-9f-2=` + bos
+    c.rollout.max_new_tokens = 52  # `a9=9,b+9=18,..,f+9=54#54` + eos (<= 50 with signs)
     c.rollout.prompts_per_step = 16
     c.zve.n_samples = 8
     c.zve.offline.k = 4

@@ -114,6 +114,21 @@ def test_small_variant_runs_two_rl_steps(name, tmp_path_factory, runs):
 
 
 @pytest.mark.slow
+def test_warm_start_only_run_with_a_time_budget(tmp_path):
+    # train.steps = 0: supervised warm start only (the "same wall time on more warm-start
+    # steps" comparison); a 1 us budget stops it after its first step, evaluated.
+    config = load("arith_espo", "small")
+    config.train.steps, config.warmstart.steps, config.warmstart.max_seconds = 0, 50, 1e-6
+    configs.validate(config, n_devices=jax.device_count())
+    summary = loop.run_sync(config, str(tmp_path))
+    assert summary["steps"] == 0 and summary["generated_tokens"] == 0  # no offline pass either
+    records = plot.read_records(os.path.join(str(tmp_path), "metrics.jsonl"))
+    warm = [r for r in records if r["phase"] == "warmstart"]
+    assert [r["step"] for r in warm] == [1] and warm[0]["eval/accuracy"] is not None
+    assert summary["final_accuracy"] == summary["warmstart_accuracy"]  # the same parameters
+
+
+@pytest.mark.slow
 def test_plot_a_finished_run(runs):
     if "arith_espo" not in runs:
         pytest.skip("needs the arith_espo run of test_small_variant_runs_two_rl_steps")

@@ -34,7 +34,9 @@ def test_default_and_small_configs_validate():
          "config.advantage.name='ppo' is not one of ('grpo', 'dr_grpo', 'rloo')"),
         ("model.preset", "huge", "config.model.preset='huge' is not one of ('tiny', 'small'"),
         ("loss.name", "ppo_kl", "name='ppo_kl' is not one of ['grpo', 'dapo', 'gspo'"),
-        ("train.steps", 0, "config.train.steps must be >= 1, got 0"),
+        ("train.steps", -1, "config.train.steps must be >= 0 (0: warm start only), got -1"),
+        ("train.micro_batches", 0, "config.train.micro_batches must be >= 1, got 0"),
+        ("warmstart.max_seconds", -5.0, "config.warmstart.max_seconds must be >= 0"),
         ("rollout.temperature", 0.0, "config.rollout.temperature must be > 0, got 0.0"),
     ],
 )

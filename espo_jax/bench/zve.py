@@ -10,9 +10,9 @@ samples from the same policy and differences come from the stages alone. Configu
 the stages one at a time: plain GRPO sampling (every prompt once per epoch, G samples), then
 + stage 0 offline prune, + 1 adaptive samples, + 2 tie-break, + 3 RL-ZVP, + 4 online filter,
 + 5 retirement; a last one has every stage but 3 (RL-ZVP), the setting in which the online
-filter acts (with RL-ZVP on, zero-variance groups carry signal and stage 4 keeps them). Each runs `ZVEPipeline` steps (the main
-job's driver) on the main job's engine and reward pool until it has generated the same budget
-of tokens.
+filter acts (with RL-ZVP on, zero-variance groups carry signal and stage 4 keeps them). Each
+runs `ZVEPipeline` steps (the main job's driver) on the main job's engine and reward pool until
+it has generated the same budget of tokens.
 
 A generated token is wasted (carries no gradient) when its group is not trained on (dropped by
 the online filter) or is trained on with all-equal rewards while RL-ZVP is off

@@ -11,6 +11,20 @@ levels can extend the pattern to longer chains and wider operands under RL. At t
 the longest example (prompt + solution) is 51 characters, short enough for a character-level
 model.
 
+With `index_hints=True` every term carries a letter label (consecutive letters from a start letter
+drawn per problem), and the solution is a list of running values, one per term, each naming the
+term it adds:
+
+    prompt    "f4g+2h-7i-0="
+    solution  "f4=4,g+2=6,h-7=-1,i-0=-1#-1"
+
+The labels are index hints in the sense of Zhou et al. (2023, "What algorithms can transformers
+learn?"): the next label is the successor of the last one, and the term to fetch is found by
+matching its label in the prompt, not by counting positions. Every step then reads only nearby
+tokens and one label match, which is what a chain longer than any seen in the warm start needs
+(without hints, the char model trained on chains of 2-4 terms solves none of 6 terms: it locates
+terms by distance).
+
 Problems come from `reasoning-gym`'s `chain_sum` generator (seeded: item i of a level is drawn
 with `random.Random(level_seed + i)`); only its expression is used, because its question text
 ("State the final answer to the following arithmetic problem: ...") is 60 characters of
@@ -40,6 +54,7 @@ DEFAULT_LEVELS = ((2, 1), (3, 1), (2, 2), (3, 2), (4, 2))
 # stops as soon as a split has what it asked for.
 _DRAWS_PER_EXAMPLE = 20
 _LEVEL_SEED_STRIDE = 1_000_003  # keeps the seed ranges (level_seed + i) of levels apart
+_LABELS = "abcdefghijklmnopqrstuvwxyz"  # index hints: consecutive letters from a drawn start
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -52,6 +67,7 @@ class ArithChainsConfig(tfds.core.BuilderConfig):
     test_per_level: int = 200
     test_modulus: int = 10  # 1 in test_modulus distinct problems is held out for test
     seed: int = 0
+    index_hints: bool = False  # letter labels on terms (see the module docstring)
 
 
 def arith_chains_config(
@@ -60,6 +76,7 @@ def arith_chains_config(
     test_per_level: int = 200,
     test_modulus: int = 10,
     seed: int = 0,
+    index_hints: bool = False,
 ) -> ArithChainsConfig:
     """A config whose name is a digest of its fields, so each content has its own directory."""
     levels = tuple((int(t), int(d)) for t, d in levels)
@@ -67,6 +84,9 @@ def arith_chains_config(
         if terms < 2 or digits < 1:
             raise ValueError(f"arith_chains: a level needs >= 2 terms and >= 1 digit, got "
                              f"(terms={terms}, digits={digits})")
+        if index_hints and terms > len(_LABELS):
+            raise ValueError(f"arith_chains: index_hints label at most {len(_LABELS)} terms, "
+                             f"a level has {terms}")
     if train_per_level < 0 or test_per_level < 0:
         raise ValueError(f"arith_chains: sizes must be >= 0, got train_per_level="
                          f"{train_per_level}, test_per_level={test_per_level}")
@@ -74,24 +94,48 @@ def arith_chains_config(
         raise ValueError(f"arith_chains: test_modulus must be >= 2, got {test_modulus}")
     fields = dict(levels=levels, train_per_level=train_per_level, test_per_level=test_per_level,
                   test_modulus=test_modulus, seed=seed)
+    if index_hints:  # absent when off, so the names of existing prepared datasets do not change
+        fields["index_hints"] = True
     digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
     return ArithChainsConfig(name=f"c{digest}", description=json.dumps(fields), **fields)
 
 
 def worked_solution(expression: str) -> tuple[str, int]:
     """`"4 - 1 - 7"` -> (`"4-1=3,3-7=-4#-4"`, -4): left fold, one step per operator."""
-    parts = expression.split()
-    if len(parts) < 3 or len(parts) % 2 == 0:
-        raise ValueError(f"worked_solution: not a chain of binary +/- terms: {expression!r}")
-    value = int(parts[0])
-    steps = []
-    for op, term in zip(parts[1::2], parts[2::2], strict=True):
-        if op not in "+-":
-            raise ValueError(f"worked_solution: operator {op!r} in {expression!r} is not + or -")
+    terms = _terms(expression)
+    value, steps = int(terms[0][1]), []
+    for op, term in terms[1:]:
         new = value + int(term) if op == "+" else value - int(term)
         steps.append(f"{value}{op}{term}={new}")
         value = new
     return ",".join(steps) + f"#{value}", value
+
+
+def _terms(expression: str) -> list[tuple[str, str]]:
+    """`"4 - 1 + 7"` -> `[("", "4"), ("-", "1"), ("+", "7")]`."""
+    parts = expression.split()
+    if len(parts) < 3 or len(parts) % 2 == 0 or any(op not in "+-" for op in parts[1::2]):
+        raise ValueError(f"arith_chains: not a chain of binary +/- terms: {expression!r}")
+    return [("", parts[0])] + list(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def hinted_problem(expression: str, start: int) -> tuple[str, str, int]:
+    """`("4 + 2 - 7 - 0", 5)` -> (`"f4g+2h-7i-0="`, `"f4=4,g+2=6,h-7=-1,i-0=-1#-1"`, -1):
+    the prompt and solution with index hints (labels from letter `start`)."""
+    terms = _terms(expression)
+    if not 0 <= start <= len(_LABELS) - len(terms):
+        raise ValueError(f"hinted_problem: start {start} leaves no room for {len(terms)} labels")
+    value, steps, prompt = 0, [], ""
+    for label, (op, term) in zip(_LABELS[start:], terms, strict=False):
+        value = value - int(term) if op == "-" else value + int(term)
+        steps.append(f"{label}{op}{term}={value}")
+        prompt += f"{label}{op}{term}"
+    return prompt + "=", ",".join(steps) + f"#{value}", value
+
+
+def _hint_start(expression: str, terms: int, seed: int) -> int:
+    digest = hashlib.sha1(f"{seed}:{expression}".encode()).hexdigest()
+    return int(digest[:8], 16) % (len(_LABELS) - terms + 1)
 
 
 def problem_space(terms: int, digits: int) -> int:
@@ -122,8 +166,12 @@ def level_examples(level: int, terms: int, digits: int, split: str,
         if expression in seen or _in_test(expression, config.test_modulus) != (split == "test"):
             continue
         seen.add(expression)
-        prompt = expression.replace(" ", "") + "="
-        solution, value = worked_solution(expression)
+        if config.index_hints:
+            prompt, solution, value = hinted_problem(
+                expression, _hint_start(expression, terms, config.seed))
+        else:
+            prompt = expression.replace(" ", "") + "="
+            solution, value = worked_solution(expression)
         if str(value) != gen[i]["answer"]:  # our fold must agree with reasoning-gym's answer
             raise AssertionError(f"arith_chains: {expression} folds to {value}, "
                                  f"reasoning-gym says {gen[i]['answer']}")

@@ -238,7 +238,7 @@ class SyncRun(Run):
                                    f"reader errors: {list(reader.errors)[-3:]}")
             return [zve_group(g) for g in read]
 
-        if step == 0 and c.zve.offline.enabled:
+        if step == 0 and c.zve.offline.enabled and c.train.steps > 0:
             self.engine.load_params(state.params)
             _, m = zve.offline_prune(rollout)
             meta["offline_tokens"] += int(m.get("zve/offline_tokens", 0))

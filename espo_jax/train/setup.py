@@ -60,7 +60,8 @@ def _prompt_sources(config, workdir: str, tokenizer):
 
         dcfg = arith_chains_config(levels=tuple(tuple(lv) for lv in config.data.levels),
                                    train_per_level=config.data.train_per_level,
-                                   test_per_level=config.data.test_per_level, seed=config.seed)
+                                   test_per_level=config.data.test_per_level, seed=config.seed,
+                                   index_hints=config.data.index_hints)
         src = functools.partial(prompts_lib.arith_chains_source, config=dcfg)
         train = src(root, "train", tokenizer, levels=config.data.train_levels)
         warm = src(root, "train", tokenizer, levels=config.warmstart.levels)

@@ -40,6 +40,14 @@ def sft_batch(prompts: Sequence[dict], idx: np.ndarray, tokenizer, seq_len: int)
     return {"tokens": tokens, "targets": targets, "mask": mask, "positions": positions}
 
 
+def warm_seq_len(prompts: Sequence[dict], tokenizer, cap: int) -> int:
+    """Input columns of the warm-start rows: the longest `bos + prompt + solution` (the eos is a
+    target only), rounded up to a multiple of 8, at most `cap` (the RL sequence length). The
+    easy levels' solutions are short: padding them to the RL length would cost every step."""
+    longest = max(len(p["tokens"]) + len(tokenizer.encode(p["solution"])) for p in prompts)
+    return min(-(-longest // 8) * 8, cap)
+
+
 def warm_start(
     setup,
     params,
@@ -49,7 +57,8 @@ def warm_start(
 ):
     """Trains `params` on worked solutions; returns (params, last eval metrics)."""
     config, ws = setup.config, setup.config.warmstart
-    seq_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
+    seq_len = warm_seq_len(setup.warm_prompts, setup.tokenizer,
+                           config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1)
     optim = config.optim.copy_and_resolve_references()
     optim.lr = ws.lr
     tx = state_lib.make_optimizer(optim, ws.steps)
@@ -74,7 +83,8 @@ def warm_start(
         if (step + 1) % 25 == 0:
             logging.info("warm start step %d/%d: nll %.3f (%.2f s/step so far)", step + 1,
                          ws.steps, float(metrics["sft/nll"]), (time.time() - start) / (step + 1))
-        if (step + 1) % ws.eval_every == 0 or last:
+        out_of_time = bool(ws.max_seconds) and time.time() - start >= ws.max_seconds
+        if (step + 1) % ws.eval_every == 0 or last or out_of_time:
             eval_metrics = evaluate_fn(state.params)
             metrics = {**jax.device_get(metrics), **eval_metrics}
             log(step + 1, metrics)
@@ -83,4 +93,8 @@ def warm_start(
                          step + 1, ws.steps, float(metrics["sft/nll"]), acc, time.time() - start)
             if acc >= ws.target_accuracy:
                 break
+        if out_of_time:
+            logging.info("warm start: the %.0f s budget is spent after %d steps", ws.max_seconds,
+                         step + 1)
+            break
     return state.params, eval_metrics

@@ -8,6 +8,7 @@ from espo_jax.data.arith_chains import (
     ArithChains,
     _in_test,
     arith_chains_config,
+    hinted_problem,
     level_examples,
     problem_space,
     worked_solution,
@@ -37,7 +38,7 @@ def test_worked_solution_by_hand():
     assert worked_solution("4 - 1 - 7") == ("4-1=3,3-7=-4#-4", -4)
     with pytest.raises(ValueError, match="not a chain"):
         worked_solution("4 -")
-    with pytest.raises(ValueError, match="not \\+ or -"):
+    with pytest.raises(ValueError, match="not a chain"):
         worked_solution("4 * 2")
 
 
@@ -86,6 +87,37 @@ def test_small_level_is_exhausted_not_padded():
     test = level_examples(1, 2, 1, "test", cfg)
     assert len(train) + len(test) == 200
     assert 100 < len(train) < 200 and len({e["prompt"] for e in train}) == len(train)
+
+
+def test_hinted_problem_by_hand():
+    # running values 4, 4+2 = 6, 6-7 = -1, -1-0 = -1; labels f, g, h, i from start 5
+    assert hinted_problem("4 + 2 - 7 - 0", 5) == ("f4g+2h-7i-0=", "f4=4,g+2=6,h-7=-1,i-0=-1#-1",
+                                                   -1)
+    assert hinted_problem("9 - 9", 24)[:2] == ("y9z-9=", "y9=9,z-9=0#0")
+    with pytest.raises(ValueError, match="no room"):
+        hinted_problem("9 - 9", 25)  # z and beyond
+
+
+def test_index_hints_dataset():
+    cfg = arith_chains_config(levels=((2, 1), (5, 1)), train_per_level=80, test_per_level=0,
+                              index_hints=True)
+    assert cfg.name != arith_chains_config(levels=((2, 1), (5, 1)), train_per_level=80,
+                                           test_per_level=0).name
+    examples = level_examples(1, 2, 1, "train", cfg) + level_examples(2, 5, 1, "train", cfg)
+    starts = set()
+    for ex in examples:
+        labels = [c for c in ex["prompt"] if c.isalpha()]
+        assert len(labels) == ex["num_terms"]
+        first = ord(labels[0])
+        assert [ord(c) - first for c in labels] == list(range(len(labels)))  # consecutive
+        starts.add(labels[0])
+        expr = "".join(c for c in ex["prompt"].rstrip("=") if not c.isalpha())
+        assert int(ex["answer"]) == eval(expr)  # noqa: S307  (digits and +/- only)
+        # one step per term, each naming its term's label, in prompt order
+        steps = ex["solution"].split("#")[0].split(",")
+        assert [st[0] for st in steps] == labels
+        assert steps[-1].endswith("=" + ex["answer"])
+    assert len(starts) > 10  # start letters are spread over the alphabet
 
 
 def test_bad_config_is_named():

@@ -11,7 +11,7 @@ from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train.evaluate import evaluate
-from espo_jax.train.warmstart import sft_batch
+from espo_jax.train.warmstart import sft_batch, warm_seq_len
 
 TOK = CharTokenizer()
 
@@ -33,6 +33,17 @@ def test_sft_batch_alignment_by_hand():
     np.testing.assert_array_equal(batch["positions"][2], np.arange(10))
     with pytest.raises(ValueError, match="warm-start example 'a' has 9 tokens > seq_len \\+ 1 = 8"):
         sft_batch(prompts, np.array([0]), TOK, seq_len=7)
+
+
+def test_warm_seq_len_fits_the_longest_example():
+    prompts = [{"tokens": TOK.encode("1+2=", add_bos=True), "solution": "3#3"},  # 5 + 3 = 8
+               {"tokens": TOK.encode("11+2=", add_bos=True), "solution": "13#13"}]  # 6 + 5
+    # 11 inputs (bos + prompt + solution; eos is only a target) -> 16, the next multiple of 8
+    assert warm_seq_len(prompts, TOK, cap=63) == 16
+    assert warm_seq_len(prompts[:1], TOK, cap=63) == 8
+    assert warm_seq_len(prompts, TOK, cap=12) == 12  # never beyond the RL sequence length
+    batch = sft_batch(prompts, np.array([0, 1]), TOK, seq_len=warm_seq_len(prompts, TOK, 63))
+    assert batch["mask"][1].sum() == 6  # "13#13" + eos all fit
 
 
 @pytest.fixture(scope="module")
