@@ -244,12 +244,13 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     c.train.replay = "r3"
     for stage in ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire"):
         c.zve[stage].enabled = True  # every MS-ZVE stage
-    # Levels 1..5 = chains of 2..6 one-digit terms: the warm start learns the step on chains of
-    # 2-4 terms, RL has to extend it to longer ones (length generalisation).
-    c.data.levels = ((2, 1), (3, 1), (4, 1), (5, 1), (6, 1))
+    # Levels: chains of 2, 3, 4 one-digit terms; 6 terms of operands 0-2 (long but easy); then
+    # 5 and 6 terms of 0-9. The warm start sees levels 1-4: the step on short chains and the
+    # length on easy ones. Levels 5-6 need both at once: RL has to compose them.
+    c.data.levels = ((2, 1), (3, 1), (4, 1), (6, 1, 2), (5, 1), (6, 1))
     c.data.index_hints = True
-    c.data.train_levels = (2, 3, 4, 5)
-    c.data.eval_levels = (1, 2, 3, 4, 5)
+    c.data.train_levels = (1, 2, 3, 4, 5, 6)
+    c.data.eval_levels = (1, 2, 3, 4, 5, 6)
     c.data.rl_prompts = 1000  # RL prompt pool (stage 0 samples every one of them)
     c.rollout.max_prompt_len = 20  # `a1b+7c+9d-5e-9f-2=` + bos
     c.rollout.max_new_tokens = 52  # `a9=9,b+9=18,..,f+9=54#54` + eos (<= 50 with signs)
@@ -259,7 +260,7 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     c.zve.offline.low = -1.0  # stage 0 prunes only always-solved prompts: unsolved ones are
     # what RL must learn; stage 5 retires those that stay unsolved
     c.warmstart.steps = 600
-    c.warmstart.levels = (1, 2, 3)
+    c.warmstart.levels = (1, 2, 3, 4)
     c.warmstart.lr = 2e-3
     c.warmstart.eval_every = 100
     c.warmstart.target_accuracy = 0.95

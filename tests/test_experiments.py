@@ -22,7 +22,8 @@ EXPERIMENTS = sorted(os.path.basename(p)[:-3]
                      for p in glob.glob(os.path.join(REPO, "experiments", "*.py")))
 REAL_SCALE = {"qwen3_30b_a3b"}  # full size validated and shaped here; its small variant runs
 SUMMARY_KEYS = ("warmstart_accuracy", "final_accuracy", "steps", "wall_seconds",
-                "generated_tokens", "wasted_token_fraction", "mean_abs_logp_mismatch")
+                "generated_tokens", "wasted_token_fraction", "mean_abs_logp_mismatch",
+                "warmstart_steps", "warmstart_seconds", "rl_seconds")
 
 
 def load(name, arg=None):
@@ -122,6 +123,7 @@ def test_warm_start_only_run_with_a_time_budget(tmp_path):
     configs.validate(config, n_devices=jax.device_count())
     summary = loop.run_sync(config, str(tmp_path))
     assert summary["steps"] == 0 and summary["generated_tokens"] == 0  # no offline pass either
+    assert summary["warmstart_steps"] == 1 and summary["warmstart_seconds"] > 0
     records = plot.read_records(os.path.join(str(tmp_path), "metrics.jsonl"))
     warm = [r for r in records if r["phase"] == "warmstart"]
     assert [r["step"] for r in warm] == [1] and warm[0]["eval/accuracy"] is not None

@@ -62,7 +62,7 @@ class ArithChainsConfig(tfds.core.BuilderConfig):
     """Levels and sizes. Build it with `arith_chains_config(...)` so the name encodes the content
     (the prepared directory is keyed by the name: two contents must never share one)."""
 
-    levels: tuple[tuple[int, int], ...] = DEFAULT_LEVELS
+    levels: tuple[tuple[int, ...], ...] = DEFAULT_LEVELS
     train_per_level: int = 2000
     test_per_level: int = 200
     test_modulus: int = 10  # 1 in test_modulus distinct problems is held out for test
@@ -71,19 +71,29 @@ class ArithChainsConfig(tfds.core.BuilderConfig):
 
 
 def arith_chains_config(
-    levels: tuple[tuple[int, int], ...] = DEFAULT_LEVELS,
+    levels: tuple[tuple[int, ...], ...] = DEFAULT_LEVELS,
     train_per_level: int = 2000,
     test_per_level: int = 200,
     test_modulus: int = 10,
     seed: int = 0,
     index_hints: bool = False,
 ) -> ArithChainsConfig:
-    """A config whose name is a digest of its fields, so each content has its own directory."""
-    levels = tuple((int(t), int(d)) for t, d in levels)
-    for terms, digits in levels:
+    """A config whose name is a digest of its fields, so each content has its own directory.
+
+    A level is (terms, digits) or (terms, digits, max_operand): the third caps every operand
+    (a drawn operand v becomes v % (max_operand + 1)), e.g. (6, 1, 2) is a long chain of small
+    numbers: the length of a hard level with the arithmetic of an easy one."""
+    levels = tuple(tuple(int(x) for x in lv) for lv in levels)
+    for lv in levels:
+        if len(lv) not in (2, 3):
+            raise ValueError(f"arith_chains: a level is (terms, digits) or (terms, digits, "
+                             f"max_operand), got {lv}")
+        terms, digits = lv[:2]
         if terms < 2 or digits < 1:
             raise ValueError(f"arith_chains: a level needs >= 2 terms and >= 1 digit, got "
                              f"(terms={terms}, digits={digits})")
+        if len(lv) == 3 and lv[2] < 1:
+            raise ValueError(f"arith_chains: max_operand must be >= 1, got {lv}")
         if index_hints and terms > len(_LABELS):
             raise ValueError(f"arith_chains: index_hints label at most {len(_LABELS)} terms, "
                              f"a level has {terms}")
@@ -138,11 +148,19 @@ def _hint_start(expression: str, terms: int, seed: int) -> int:
     return int(digest[:8], 16) % (len(_LABELS) - terms + 1)
 
 
-def problem_space(terms: int, digits: int) -> int:
-    """Number of distinct chains: operand values (0-9 for one digit, else no leading zero) to the
-    power of terms, times the operator choices."""
+def problem_space(terms: int, digits: int, max_operand: int | None = None) -> int:
+    """Number of distinct chains: operand values (0-9 for one digit, else no leading zero; 0 to
+    max_operand when capped) to the power of terms, times the operator choices."""
     values = 10 if digits == 1 else 9 * 10 ** (digits - 1)
+    if max_operand is not None:
+        values = min(values, max_operand + 1)
     return values**terms * 2 ** (terms - 1)
+
+
+def cap_operands(expression: str, max_operand: int) -> str:
+    """`("7 + 8 - 3", 2)` -> `"1 + 2 - 0"`: every operand v becomes v % (max_operand + 1)."""
+    return " ".join(p if p in "+-" else str(int(p) % (max_operand + 1))
+                    for p in expression.split())
 
 
 def _in_test(expression: str, modulus: int) -> bool:
@@ -150,7 +168,7 @@ def _in_test(expression: str, modulus: int) -> bool:
 
 
 def level_examples(level: int, terms: int, digits: int, split: str,
-                   config: ArithChainsConfig) -> list[dict]:
+                   config: ArithChainsConfig, max_operand: int | None = None) -> list[dict]:
     """The examples of one level and split, in generation order (deterministic)."""
     # reasoning-gym imports all its task families (~3 s): only preparation pays for it.
     from reasoning_gym.arithmetic.chain_sum import ChainSumConfig, ChainSumDataset
@@ -159,10 +177,13 @@ def level_examples(level: int, terms: int, digits: int, split: str,
     gen = ChainSumDataset(ChainSumConfig(
         min_terms=terms, max_terms=terms, min_digits=digits, max_digits=digits,
         allow_negation=False, seed=(config.seed * 100 + level) * _LEVEL_SEED_STRIDE,
-        size=min(10 * problem_space(terms, digits), max(wanted * _DRAWS_PER_EXAMPLE, 20_000))))
+        size=min(10 * problem_space(terms, digits, max_operand),
+                 max(wanted * _DRAWS_PER_EXAMPLE, 20_000))))
     out, seen = [], set()
     for i in range(len(gen) if wanted else 0):
         expression = gen[i]["metadata"]["expression"]
+        if max_operand is not None:
+            expression = cap_operands(expression, max_operand)
         if expression in seen or _in_test(expression, config.test_modulus) != (split == "test"):
             continue
         seen.add(expression)
@@ -172,7 +193,8 @@ def level_examples(level: int, terms: int, digits: int, split: str,
         else:
             prompt = expression.replace(" ", "") + "="
             solution, value = worked_solution(expression)
-        if str(value) != gen[i]["answer"]:  # our fold must agree with reasoning-gym's answer
+        # our fold must agree with reasoning-gym's answer (its own, uncapped expression)
+        if max_operand is None and str(value) != gen[i]["answer"]:
             raise AssertionError(f"arith_chains: {expression} folds to {value}, "
                                  f"reasoning-gym says {gen[i]['answer']}")
         out.append(dict(prompt_id=f"L{level}:{prompt}", prompt=prompt, solution=solution,
@@ -209,6 +231,7 @@ class ArithChains(OfflineBuilder):
         return {split: self._generate_examples(split) for split in ("train", "test")}
 
     def _generate_examples(self, split: str):
-        for level, (terms, digits) in enumerate(self.builder_config.levels, start=1):
-            for ex in level_examples(level, terms, digits, split, self.builder_config):
+        for level, (terms, digits, *cap) in enumerate(self.builder_config.levels, start=1):
+            for ex in level_examples(level, terms, digits, split, self.builder_config,
+                                     max_operand=cap[0] if cap else None):
                 yield ex["prompt_id"], ex

@@ -130,6 +130,7 @@ class Run:
                 state, meta = ckpt.restore(state)
                 logging.info("resuming from %s at RL step %d", ckpt.directory, meta["rl_step"])
                 warm.close()
+                self.t_rl = time.time()
                 return state, meta
         meta = {"rl_step": 0, "generated_tokens": 0, "wasted_tokens": 0, "offline_tokens": 0,
                 "mismatch_sum": 0.0, "mismatch_n": 0, "cursor": None, "zve": None,
@@ -141,12 +142,14 @@ class Run:
             # Warm-start progress is measured on samples of its own (train) levels.
             warm_eval = setup_lib.balanced_subset(self.setup.warm_prompts, c.eval.num_prompts,
                                                   c.seed)
-            params, _ = warm_start(
+            params, done = warm_start(
                 self.setup, state.params,
                 evaluate_fn=lambda p: self.evaluate(p, warm_eval),
                 log=lambda step, m: self.logger.write(step, m, phase="warmstart"),
             )
             state = self._new_state(params)
+            meta["warmstart_steps"] = done["warmstart/steps"]
+            meta["warmstart_seconds"] = done["warmstart/seconds"]
         meta["warmstart"] = self.evaluate(state.params)
         self.logger.write(0, meta["warmstart"], phase="eval")
         # The warm-started policy (RL step 0), kept apart from the RL checkpoints' retention: a
@@ -154,6 +157,7 @@ class Run:
         # (`--config.checkpoint.init_from=WORKDIR/warmstart`, e.g. the baselines).
         warm.save(0, state, meta)
         warm.close()
+        self.t_rl = time.time()
         return state, meta
 
     def finish(self, state, meta) -> dict:
@@ -165,6 +169,12 @@ class Run:
             "final_accuracy": final["eval/accuracy"],
             "steps": meta["rl_step"],
             "wall_seconds": time.time() - self.t0,
+            # Of the warm start when it ran in this WORKDIR (0 when restored from init_from).
+            "warmstart_steps": meta.get("warmstart_steps", 0),
+            "warmstart_seconds": meta.get("warmstart_seconds", 0.0),
+            # From the policy being ready to the end (offline pass, RL steps, evaluations) in
+            # this process: a resumed run counts only its own part.
+            "rl_seconds": time.time() - self.t_rl,
             "generated_tokens": generated,
             # Offline pass-rate samples (stage 0) carry no gradient: they count as wasted.
             "wasted_token_fraction": (meta["wasted_tokens"] + meta["offline_tokens"])

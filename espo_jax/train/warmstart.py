@@ -55,7 +55,8 @@ def warm_start(
     evaluate_fn: Callable[[dict], dict],
     log: Callable[[int, dict], None],
 ):
-    """Trains `params` on worked solutions; returns (params, last eval metrics)."""
+    """Trains `params` on worked solutions; returns (params, last eval metrics plus
+    `warmstart/steps` and `warmstart/seconds`, what it ran)."""
     config, ws = setup.config, setup.config.warmstart
     seq_len = warm_seq_len(setup.warm_prompts, setup.tokenizer,
                            config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1)
@@ -97,4 +98,6 @@ def warm_start(
             logging.info("warm start: the %.0f s budget is spent after %d steps", ws.max_seconds,
                          step + 1)
             break
-    return state.params, eval_metrics
+    done = {"warmstart/steps": step + 1 if ws.steps else 0,
+            "warmstart/seconds": time.time() - start}
+    return state.params, {**eval_metrics, **done}

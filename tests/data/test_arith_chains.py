@@ -8,6 +8,7 @@ from espo_jax.data.arith_chains import (
     ArithChains,
     _in_test,
     arith_chains_config,
+    cap_operands,
     hinted_problem,
     level_examples,
     problem_space,
@@ -118,6 +119,25 @@ def test_index_hints_dataset():
         assert [st[0] for st in steps] == labels
         assert steps[-1].endswith("=" + ex["answer"])
     assert len(starts) > 10  # start letters are spread over the alphabet
+
+
+def test_capped_level_is_long_with_small_operands():
+    assert cap_operands("7 + 8 - 3 - 9", 2) == "1 + 2 - 0 - 0"  # 7 % 3, 8 % 3, 3 % 3, 9 % 3
+    assert problem_space(6, 1, 2) == 3**6 * 2**5
+    cfg = arith_chains_config(levels=((6, 1, 2),), train_per_level=50, test_per_level=0,
+                              index_hints=True)
+    assert cfg.levels == ((6, 1, 2),)
+    examples = level_examples(1, 6, 1, "train", cfg, max_operand=2)
+    assert len(examples) == 50
+    for ex in examples:
+        digits = [int(c) for c in ex["prompt"] if c.isdigit()]
+        assert len(digits) == 6 and max(digits) <= 2
+        expr = "".join(c for c in ex["prompt"].rstrip("=") if not c.isalpha())
+        assert int(ex["answer"]) == eval(expr)  # noqa: S307  (digits and +/- only)
+    with pytest.raises(ValueError, match="max_operand must be >= 1"):
+        arith_chains_config(levels=((6, 1, 0),))
+    with pytest.raises(ValueError, match="a level is \\(terms, digits\\)"):
+        arith_chains_config(levels=((6,),))
 
 
 def test_bad_config_is_named():

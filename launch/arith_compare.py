@@ -1,0 +1,167 @@
+"""ESPO vs GRPO vs DAPO vs GSPO on `arith_chains`, and the same wall time spent on the warm start.
+
+    python launch/arith_compare.py --workdir /tmp/arith_compare [--jobs 2] [--steps N]
+
+1. `experiments/arith_espo.py` (the README's first command) runs in WORKDIR/espo: warm start,
+   then ESPO with every zero-variance stage. Its warm-started policy is WORKDIR/espo/warmstart.
+2. `arith_grpo.py`, `arith_dapo.py`, `arith_gspo.py` start from that same policy
+   (`checkpoint.init_from`) with the same RL budget (steps, prompts, samples): the experiments
+   differ by the loss only.
+3. `sft_only`: the default experiment with no RL, whose warm start instead gets the wall time
+   ESPO spent on warm start + RL (`warmstart.max_seconds`), with its step count and cosine
+   schedule stretched to that time at ESPO's measured warm-start speed.
+
+Every run is a real main job (a subprocess, its log in WORKDIR/NAME.log). Finished runs
+(WORKDIR/NAME/summary.json present) are not run again, so the script can be resumed. It writes
+WORKDIR/comparison.json, WORKDIR/comparison.md (the README's table) and
+WORKDIR/comparison.png (held-out accuracy per level). With `--jobs 2` steps 2-3 run two at a
+time: faster, but each run then shares the CPU and its wall time says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASELINES = ("grpo", "dapo", "gspo")
+ROWS = ("espo", *BASELINES, "sft_only")
+
+
+def _summary(workdir: str, name: str) -> dict | None:
+    path = os.path.join(workdir, name, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_main(workdir: str, name: str, experiment: str, flags: list[str],
+             small: bool = False) -> dict:
+    """One main job in WORKDIR/NAME (skipped when its summary exists); returns its summary."""
+    done = _summary(workdir, name)
+    if done is not None:
+        print(f"[{name}] already finished: final accuracy {done['final_accuracy']:.3f}")
+        return done
+    cmd = [sys.executable, "-m", "espo_jax.main", "--config",
+           os.path.join(REPO, "experiments", f"{experiment}.py" + (":small" if small else "")),
+           "--workdir",
+           os.path.join(workdir, name), *flags]
+    log_path = os.path.join(workdir, f"{name}.log")
+    print(f"[{name}] {' '.join(cmd[2:])}  (log: {log_path})", flush=True)
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"[{name}] exited with {proc.returncode}; see {log_path}")
+    summary = _summary(workdir, name)
+    print(f"[{name}] done in {time.time() - start:.0f} s: final accuracy "
+          f"{summary['final_accuracy']:.3f}", flush=True)
+    return summary
+
+
+def sft_flags(espo: dict) -> list[str]:
+    """The warm start alone, for as long as ESPO's warm start + RL took."""
+    budget = espo["warmstart_seconds"] + espo["rl_seconds"]
+    per_step = espo["warmstart_seconds"] / max(espo["warmstart_steps"], 1)
+    steps = math.ceil(budget / per_step)
+    return ["--config.train.steps=0", f"--config.warmstart.steps={steps}",
+            "--config.warmstart.target_accuracy=2.0",  # never stop early on accuracy
+            f"--config.warmstart.max_seconds={budget:.0f}",
+            f"--config.warmstart.eval_every={max(steps // 6, 1)}"]
+
+
+def levels(summary: dict, key: str) -> dict[int, float]:
+    prefix = "eval/accuracy_level"
+    return {int(k[len(prefix):]): v for k, v in summary[key].items() if k.startswith(prefix)}
+
+
+def table(summaries: dict[str, dict]) -> str:
+    """Markdown: one row per run, held-out accuracy overall and per level, costs."""
+    level_ids = sorted(levels(summaries["espo"], "final"))
+    head = (["run", "final acc", "vs warm start"] + [f"L{lv}" for lv in level_ids]
+            + ["wasted tokens", "mean abs dlogp", "RL s", "warm-start s"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    warm = summaries["espo"]["warmstart_accuracy"]
+    start = levels(summaries["espo"], "warmstart")
+    lines.append("| warm start (shared) | " + " | ".join(
+        [f"{warm:.3f}", "-"] + [f"{start[lv]:.2f}" for lv in level_ids]
+        + ["-", "-", "-", f"{summaries['espo']['warmstart_seconds']:.0f}"]) + " |")
+    for name, s in summaries.items():
+        per = levels(s, "final")
+        rl = name != "sft_only"
+        lines.append(f"| {name} | " + " | ".join(
+            [f"{s['final_accuracy']:.3f}", f"{100 * (s['final_accuracy'] - warm):+.1f} pts"]
+            + [f"{per[lv]:.2f}" for lv in level_ids]
+            + [f"{s['wasted_token_fraction']:.3f}" if rl else "-",
+               f"{s['mean_abs_logp_mismatch']:.4f}" if rl else "-",
+               f"{s['rl_seconds']:.0f}" if rl else "-",
+               f"{s['warmstart_seconds']:.0f}" if name in ("espo", "sft_only") else "shared"])
+            + " |")
+    return "\n".join(lines)
+
+
+def plot(summaries: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    level_ids = sorted(levels(summaries["espo"], "final"))
+    bars = {"warm start": levels(summaries["espo"], "warmstart"),
+            **{name: levels(s, "final") for name, s in summaries.items()}}
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = np.arange(len(level_ids))
+    for i, (name, per) in enumerate(bars.items()):
+        ax.bar(x + i * width, [per[lv] for lv in level_ids], width, label=name)
+    ax.set_xticks(x + 0.4 - width / 2, [f"level {lv}" for lv in level_ids])
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8, ncol=3)
+    ax.set_title("arith_chains: one warm start, then each loss (same RL budget)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time after the ESPO run")
+    p.add_argument("--small", action="store_true",
+                   help="the experiments' small variants (tiny model, 2 RL steps): a smoke test")
+    p.add_argument("--flags", nargs="*", default=[],
+                   help="extra --config.* flags for every run (e.g. --config.train.steps=40)")
+    args = p.parse_args(argv)
+    workdir = os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    espo = run_main(workdir, "espo", "arith_espo", args.flags, args.small)
+    init = [f"--config.checkpoint.init_from={os.path.join(workdir, 'espo', 'warmstart')}"]
+    jobs = {name: (f"arith_{name}", args.flags + init) for name in BASELINES}
+    jobs["sft_only"] = ("arith_espo", args.flags + sft_flags(espo))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        futures = {name: pool.submit(run_main, workdir, name, exp, flags, args.small)
+                   for name, (exp, flags) in jobs.items()}
+        summaries = {"espo": espo, **{name: f.result() for name, f in futures.items()}}
+    text = table(summaries)
+    print(text)
+    with open(os.path.join(workdir, "comparison.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(workdir, "comparison.json"), "w") as f:
+        json.dump({"jobs": args.jobs, "flags": args.flags, "runs": summaries}, f, indent=2)
+    plot(summaries, os.path.join(workdir, "comparison.png"))
+    print(f"written: {workdir}/comparison.md, comparison.json, comparison.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
