@@ -304,3 +304,31 @@ def test_replay_modes(learner_setup):
     assert f3["train/grad_norm"] != pytest.approx(m3["train/grad_norm"], rel=1e-3)
     for key in ("train/loss", "train/grad_norm"):  # r2 ignores the recordings
         assert f2[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-9), key
+
+
+def _response_logp(model_config, params, group, j):
+    """Teacher-forced log-prob of response j of `group` under `params` (fp32, own routing)."""
+    from espo_jax.train.step import sequence_logprobs
+
+    prompt, resp = list(group.prompt_tokens), list(group.responses[j].tokens)
+    full = prompt + resp
+    tokens = jnp.asarray([full[:-1]], jnp.int32)
+    targets = jnp.asarray([full[1:]], jnp.int32)
+    positions = jnp.arange(len(full) - 1, dtype=jnp.int32)[None]
+    logp, _, _ = sequence_logprobs(model_config, params, tokens, positions, targets, None, 16)
+    return float(jnp.sum(logp[0, len(prompt) - 1:]))
+
+
+def test_update_moves_probability_towards_the_rewarded_response(learner_setup):
+    # The direction of the policy gradient, end to end: in group "a" response 0 is right and
+    # response 1 wrong (GRPO advantages +1 / -1); one update must raise the log-probability of
+    # the first and lower that of the second.
+    learner, params, make_state, generated = learner_setup
+    if list(generated[0].responses[0].tokens) == list(generated[0].responses[1].tokens):
+        pytest.skip("both samples of group a are identical")
+    model_config = get_preset("tiny")
+    groups = _groups(generated, [[1.0, 0.0], [0.0, 1.0]])
+    before = [_response_logp(model_config, params, generated[0], j) for j in (0, 1)]
+    state, _ = learner.update(make_state(params), groups)
+    after = [_response_logp(model_config, state.params, generated[0], j) for j in (0, 1)]
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
