@@ -46,11 +46,11 @@ from espo_jax.data.zve_pipeline import Rollout, ZVEPipeline
 STAGES = ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire")
 LABELS = ("plain GRPO", "+0 offline prune", "+1 adaptive samples", "+2 tie-break",
           "+3 RL-ZVP", "+4 online filter", "+5 retirement")
-# Full run: 150 of the experiment's 1000 RL prompts, 50k generated tokens per configuration
-# (~2 min on 2 cores). The main run (80 steps, ~7k tokens a step, an 84k-token offline pass)
-# scaled by 150/1000 would be ~95k: pass --budget for it. Quick run: the `tiny` model, briefly
-# warm-started on level 1.
-FULL_PROMPTS, FULL_BUDGET = 150, 50_000
+# Full run: 100 of the experiment's RL prompts, 150k generated tokens per configuration, about
+# 7 epochs over them (~8 min on 2 cores). Stage 0's pass costs up to k samples per prompt once,
+# a step G per visit, so its share of the budget falls as 1 / epochs: ~7 epochs put it under 5%.
+# Quick run: the `tiny` model, briefly warm-started on level 1.
+FULL_PROMPTS, FULL_BUDGET = 100, 150_000
 QUICK_PROMPTS, QUICK_BUDGET, QUICK_WARMSTART_STEPS = 16, 1_500, 60
 
 

@@ -80,17 +80,29 @@ def rl_zvp(
         )
     if outcomes_NxG.shape != rewards_NxG.shape:
         raise ValueError(f"outcomes {outcomes_NxG.shape} must match rewards {rewards_NxG.shape}")
-    valid = mask_NxGxT > 0
-    h = jnp.where(valid, jax.lax.stop_gradient(entropy_NxGxT.astype(jnp.float32)), 0.0)
     correct = outcomes_NxG > 0
     zv = zero_variance_mask(rewards_NxG) & zero_variance_mask(correct)
-    all_correct = (zv & correct.all(axis=-1))[:, None, None]
-    all_wrong = (zv & ~correct.any(axis=-1))[:, None, None]
+    sign_NxG = jnp.broadcast_to(
+        jnp.where(zv & correct.all(axis=-1), 1, jnp.where(zv & ~correct.any(axis=-1), -1, 0))
+        [:, None], rewards_NxG.shape)
+    base_NxGxT = jnp.broadcast_to(ADVANTAGES[base](rewards_NxG)[:, :, None], mask_NxGxT.shape)
+    return zvp_token_advantages(base_NxGxT, sign_NxG, entropy_NxGxT, mask_NxGxT, alpha)
+
+
+def zvp_token_advantages(base_xT: jax.Array, sign_x: jax.Array, entropy_xT: jax.Array,
+                         mask_xT: jax.Array, alpha: float) -> jax.Array:
+    """RL-ZVP's token formula, for sequences laid out any way (`[..., T]`): where `sign_x` is
+    +1 (the sequence's group is all correct) A_t = alpha * sg(H_t); where -1 (all wrong)
+    A_t = -alpha * (max_t' H_t' - sg(H_t)), the max over the sequence's unmasked tokens;
+    where 0, `base_xT`. Masked tokens get 0. `rl_zvp` ([N, G, T] groups) and the learner's
+    packed rows (`train.step.token_advantages`) both use it."""
+    valid = mask_xT > 0
+    h = jnp.where(valid, jax.lax.stop_gradient(entropy_xT.astype(jnp.float32)), 0.0)
     h_max = jnp.where(valid, h, -jnp.inf).max(axis=-1, keepdims=True)
     h_max = jnp.where(jnp.isfinite(h_max), h_max, 0.0)
-    base_adv = ADVANTAGES[base](rewards_NxG)[:, :, None]
-    adv = jnp.where(all_correct, alpha * h, jnp.where(all_wrong, -alpha * (h_max - h), base_adv))
-    return jnp.where(valid, adv, 0.0)
+    sign = sign_x[..., None]
+    zvp = jnp.where(sign > 0, alpha * h, -alpha * (h_max - h))
+    return jnp.where(valid, jnp.where(sign != 0, zvp, base_xT), 0.0)
 
 
 def overlong_penalty(lengths: jax.Array, max_len: int, cache_len: int) -> jax.Array:

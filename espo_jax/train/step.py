@@ -19,6 +19,7 @@ import ml_collections
 from espo_jax import models
 from espo_jax.rl import logprobs as rl_logprobs
 from espo_jax.rl import losses
+from espo_jax.rl.advantages import zvp_token_advantages
 from espo_jax.train.batch import RLBatch
 from espo_jax.train.state import TrainState, apply_gradients
 
@@ -79,17 +80,13 @@ def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_
 
 
 def token_advantages(batch: RLBatch, zvp_alpha: float) -> jax.Array:
-    """Sequence advantages broadcast to tokens; RL-ZVP (arXiv 2509.21880 Eq. 5) for
-    zero-variance groups: all-correct A_t = alpha * sg(H_t); all-wrong
-    A_t = -alpha * (max_t H - sg(H_t)), H the old-policy token entropy."""
+    """Sequence advantages broadcast to tokens; RL-ZVP (arXiv 2509.21880 Eq. 5, the formula of
+    `rl.advantages.zvp_token_advantages`) for rows of zero-variance groups (`zv_sign` != 0)."""
     adv = jnp.broadcast_to(batch.advantages[:, None], batch.loss_mask.shape)
     if zvp_alpha <= 0:
         return adv
-    h = jax.lax.stop_gradient(batch.old_entropy) * batch.loss_mask
-    h_max = jnp.max(h, axis=1, keepdims=True)
-    sign = batch.zv_sign[:, None]
-    zvp = jnp.where(sign > 0, zvp_alpha * h, -zvp_alpha * (h_max - h))
-    return jnp.where(sign != 0, zvp, adv)
+    return zvp_token_advantages(adv, batch.zv_sign, batch.old_entropy, batch.loss_mask,
+                                zvp_alpha)
 
 
 def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_size, zvp_alpha):
