@@ -19,11 +19,10 @@ term it adds:
     solution  "f4=4,g+2=6,h-7=-1,i-0=-1#-1"
 
 The labels are index hints in the sense of Zhou et al. (2023, "What algorithms can transformers
-learn?"): the next label is the successor of the last one, and the term to fetch is found by
-matching its label in the prompt, not by counting positions. Every step then reads only nearby
-tokens and one label match, which is what a chain longer than any seen in the warm start needs
-(without hints, the char model trained on chains of 2-4 terms solves none of 6 terms: it locates
-terms by distance).
+learn?"): the next label is the successor of the last one, and the term to fetch can be found by
+matching its label in the prompt instead of counting positions. Measured with the `small` model
+warm-started on chains of 2-4 terms: without hints it solves none of the 6-term chains, with
+hints 5-6% (it still finds the first term by distance); see the README's results.
 
 Problems come from `reasoning-gym`'s `chain_sum` generator (seeded: item i of a level is drawn
 with `random.Random(level_seed + i)`); only its expression is used, because its question text
@@ -113,12 +112,10 @@ def arith_chains_config(
 def worked_solution(expression: str) -> tuple[str, int]:
     """`"4 - 1 - 7"` -> (`"4-1=3,3-7=-4#-4"`, -4): left fold, one step per operator."""
     terms = _terms(expression)
-    value, steps = int(terms[0][1]), []
-    for op, term in terms[1:]:
-        new = value + int(term) if op == "+" else value - int(term)
-        steps.append(f"{value}{op}{term}={new}")
-        value = new
-    return ",".join(steps) + f"#{value}", value
+    values = _running_values(terms)
+    steps = [f"{values[i - 1]}{op}{term}={values[i]}" for i, (op, term) in enumerate(terms)
+             if i > 0]
+    return ",".join(steps) + f"#{values[-1]}", values[-1]
 
 
 def _terms(expression: str) -> list[tuple[str, str]]:
@@ -129,18 +126,28 @@ def _terms(expression: str) -> list[tuple[str, str]]:
     return [("", parts[0])] + list(zip(parts[1::2], parts[2::2], strict=True))
 
 
+def _running_values(terms: list[tuple[str, str]]) -> list[int]:
+    """The value of the chain after each term: `[("", "4"), ("-", "1")]` -> `[4, 3]`."""
+    values, value = [], 0
+    for op, term in terms:
+        value = value - int(term) if op == "-" else value + int(term)
+        values.append(value)
+    return values
+
+
 def hinted_problem(expression: str, start: int) -> tuple[str, str, int]:
     """`("4 + 2 - 7 - 0", 5)` -> (`"f4g+2h-7i-0="`, `"f4=4,g+2=6,h-7=-1,i-0=-1#-1"`, -1):
     the prompt and solution with index hints (labels from letter `start`)."""
     terms = _terms(expression)
     if not 0 <= start <= len(_LABELS) - len(terms):
         raise ValueError(f"hinted_problem: start {start} leaves no room for {len(terms)} labels")
-    value, steps, prompt = 0, [], ""
-    for label, (op, term) in zip(_LABELS[start:], terms, strict=False):
-        value = value - int(term) if op == "-" else value + int(term)
-        steps.append(f"{label}{op}{term}={value}")
-        prompt += f"{label}{op}{term}"
-    return prompt + "=", ",".join(steps) + f"#{value}", value
+    labelled = [(label, op, term) for label, (op, term) in zip(_LABELS[start:], terms,
+                                                               strict=False)]
+    values = _running_values(terms)
+    prompt = "".join(f"{label}{op}{term}" for label, op, term in labelled) + "="
+    steps = [f"{label}{op}{term}={v}" for (label, op, term), v in zip(labelled, values,
+                                                                        strict=True)]
+    return prompt, ",".join(steps) + f"#{values[-1]}", values[-1]
 
 
 def _hint_start(expression: str, terms: int, seed: int) -> int:

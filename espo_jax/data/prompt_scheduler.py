@@ -55,7 +55,13 @@ def offline_undecided(successes: int, samples: int, cfg: ml_collections.ConfigDi
     """
     if samples >= cfg.k:
         return False
-    return successes / cfg.k <= cfg.low or (successes + cfg.k - samples) / cfg.k >= cfg.high
+    return (_prunable(successes / cfg.k, cfg)
+            or _prunable((successes + cfg.k - samples) / cfg.k, cfg))
+
+
+def _prunable(rate: float, cfg: ml_collections.ConfigDict) -> bool:
+    """Stage 0's rule: a pass rate at or below `low`, or at or above `high`."""
+    return rate <= cfg.low or rate >= cfg.high
 
 
 def zero_variance_prob(p: float, n: int) -> float:
@@ -128,7 +134,7 @@ class PromptScheduler:
                 raise ValueError(f"offline_prune: pass rate of {pid!r} is {rate}, not in [0, 1]")
             n = float(cfg.k if counts is None else counts[pid])
             self.succ[i], self.trials[i] = rate * n, n
-            if (rate <= cfg.low or rate >= cfg.high) and self.status[i] == ACTIVE:
+            if _prunable(rate, cfg) and self.status[i] == ACTIVE:
                 self.status[i] = PRUNED
                 self.next_probe[i] = max(self.epoch, 0) + self.config.retire.reprobe_every
                 pruned.append(pid)
