@@ -28,6 +28,20 @@ from espo_jax.data.zve_metrics import step_metrics
 Rollout = Callable[[list[tuple[Mapping, int]]], Sequence[dict]]
 
 
+def group_rewards(group: Mapping, tie_break: ml_collections.ConfigDict,
+                  max_len: int) -> np.ndarray:
+    """float32 rewards of one group: its binary outcomes, or with stage 2 (`tie_break`, the
+    `zve.tie_break` config) on, the tie-broken rewards inside the correct tier."""
+    outcomes = binary_outcomes(group["outcomes"], str(group["prompt_id"]))
+    if not tie_break.enabled:
+        return outcomes.astype(np.float32)
+    from espo_jax.rewards.shaping import tie_break_rewards  # imports JAX
+
+    return tie_break_rewards(outcomes, np.asarray(group["lengths"]), max_len=max_len,
+                             prefer=tie_break.prefer, tier_gap=tie_break.tier_gap,
+                             band=tie_break.band)
+
+
 class ZVEPipeline:
     """See the module docstring. `scheduler` and `filter` stay accessible for finer control."""
 
@@ -35,8 +49,7 @@ class ZVEPipeline:
                  seed: int = 0, *, max_len: int):
         self.config, self.max_len = config, int(max_len)
         self.scheduler = PromptScheduler(prompts, config, seed)
-        # RL-ZVP gives zero-variance groups signal: the filter must not drop them then.
-        self.filter = OnlineFilter(config.online_filter, keep_zero_variance=config.zvp.enabled)
+        self.filter = OnlineFilter.for_zve(config)
 
     def _rollout(self, rollout: Rollout, plan: list[tuple[Mapping, int]]) -> list[dict]:
         groups = list(rollout(plan))
@@ -84,17 +97,8 @@ class ZVEPipeline:
     def _generate(self, rollout: Rollout, n_groups: int) -> list[dict]:
         groups = self._rollout(rollout, self.scheduler.next_prompts(n_groups))
         self.scheduler.observe_groups(groups)
-        tb = self.config.tie_break
         for g in groups:
-            outcomes = binary_outcomes(g["outcomes"], str(g["prompt_id"]))
-            if tb.enabled:
-                from espo_jax.rewards.shaping import tie_break_rewards  # imports JAX
-
-                g["rewards"] = tie_break_rewards(
-                    outcomes, np.asarray(g["lengths"]), max_len=self.max_len,
-                    prefer=tb.prefer, tier_gap=tb.tier_gap, band=tb.band)
-            else:
-                g["rewards"] = outcomes.astype(np.float32)
+            g["rewards"] = group_rewards(g, self.config.tie_break, self.max_len)
         return groups
 
     def step(self, n_groups: int, rollout: Rollout) -> tuple[list[dict], dict[str, float]]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from espo_jax import distributed
 from espo_jax.data.zve_metrics import step_metrics
-from espo_jax.rewards.shaping import tie_break_rewards
+from espo_jax.data.zve_pipeline import group_rewards
 from espo_jax.rollout import weights
 from espo_jax.rollout.buffer import BufferReader
 from espo_jax.train.learner import Learner
@@ -78,14 +78,9 @@ class AsyncRun(Run):
                 raise RuntimeError(f"rollout workers died: {self._dead_workers()}")
         out = [zve_group(g)
                for g in distributed.broadcast_groups(read if distributed.is_primary() else None)]
-        tb = self.config.zve.tie_break
         for g in out:
-            outcomes = np.asarray(g["outcomes"], np.float32)
-            g["rewards"] = (tie_break_rewards(outcomes, np.asarray(g["lengths"]),
-                                              max_len=self.config.rollout.max_new_tokens,
-                                              prefer=tb.prefer, tier_gap=tb.tier_gap,
-                                              band=tb.band)
-                            if tb.enabled else outcomes)
+            g["rewards"] = group_rewards(g, self.config.zve.tie_break,
+                                         self.config.rollout.max_new_tokens)
         return out
 
     def _publish(self, publish_dir: str, version: int, params) -> None:
@@ -113,7 +108,7 @@ class AsyncRun(Run):
                               retention="keep" if c.buffer.keep_consumed else "delete")
         from espo_jax.data.online_filter import OnlineFilter
 
-        online = OnlineFilter(c.zve.online_filter, keep_zero_variance=c.zve.zvp.enabled)
+        online = OnlineFilter.for_zve(c.zve)
         self.procs = start_workers(c, self.workdir) if distributed.is_primary() else []
         try:
             while step < c.train.steps:
