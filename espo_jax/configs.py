@@ -31,6 +31,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.preset = "small"  # one of espo_jax.models.config.PRESETS
     c.model.dispatch = "dropless"  # MoE dispatch, one of DISPATCHES
     c.model.hf_path = ""  # if set, initial weights and config from a Hugging Face directory
+    c.model.rope_theta = 0.0  # RoPE base; 0 keeps the preset's (Qwen3's 1e6)
 
     c.tokenizer = "char"  # "char" or a path to a Hugging Face tokenizer.json
 
@@ -153,6 +154,9 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     if config.train.steps < 0:
         errors.append(f"config.train.steps must be >= 0 (0: warm start only), got "
                       f"{config.train.steps}")
+    if config.model.rope_theta < 0:
+        errors.append(f"config.model.rope_theta must be >= 0 (0: the preset's), got "
+                      f"{config.model.rope_theta}")
     if config.warmstart.max_seconds < 0:
         errors.append(f"config.warmstart.max_seconds must be >= 0 (0: no limit), got "
                       f"{config.warmstart.max_seconds}")

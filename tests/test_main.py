@@ -37,6 +37,7 @@ def test_default_and_small_configs_validate():
         ("train.steps", -1, "config.train.steps must be >= 0 (0: warm start only), got -1"),
         ("train.micro_batches", 0, "config.train.micro_batches must be >= 1, got 0"),
         ("warmstart.max_seconds", -5.0, "config.warmstart.max_seconds must be >= 0"),
+        ("model.rope_theta", -1.0, "config.model.rope_theta must be >= 0 (0: the preset's)"),
         ("rollout.temperature", 0.0, "config.rollout.temperature must be > 0, got 0.0"),
     ],
 )
@@ -47,6 +48,16 @@ def test_bad_choice_names_key_and_allowed_values(key, value, message):
     with pytest.raises(ValueError, match="invalid config") as e:
         configs.validate(c, n_devices=1)
     assert message in str(e.value)
+
+
+def test_rope_theta_overrides_the_preset_only_when_set():
+    from espo_jax.train.setup import preset_model_config
+
+    c = _small()
+    assert preset_model_config(c).rope_theta == 1e6  # the tiny preset keeps Qwen3's base
+    c.model.rope_theta = 1e4
+    assert preset_model_config(c).rope_theta == 1e4
+    assert preset_model_config(c).d_model == 64  # the rest of the preset is untouched
 
 
 def test_divisibility_messages_name_the_numbers():

@@ -91,13 +91,19 @@ def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
     return [prompts[i] for i in sorted(picked)]
 
 
+def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    """`config.model.preset` with the config's overrides (dispatch; rope_theta when > 0)."""
+    overrides = {"rope_theta": float(config.model.rope_theta)} if config.model.rope_theta else {}
+    return get_preset(config.model.preset, dispatch=config.model.dispatch, **overrides)
+
+
 def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     """Everything but the train state. Validates shapes (mesh, vocab) before any compile."""
     hf_params = None
     if config.model.hf_path:
         model_config, hf_params = hf_io.from_pretrained(config.model.hf_path)
     else:
-        model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
+        model_config = preset_model_config(config)
     tokenizer = load_tokenizer(config.tokenizer)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
