@@ -296,6 +296,21 @@ LOSSES: dict[str, LossFn] = {
 }
 
 
+def aggregation_mode(config: ml_collections.ConfigDict) -> str:
+    """The `aggregate` mode a loss config uses (`auto` resolves to the paper's)."""
+    return PAPER_AGGREGATION[config.name] if config.aggregation == "auto" else config.aggregation
+
+
+def aggregation_weight(mask_BxT: jax.Array, mode: str) -> jax.Array:
+    """The denominator of `aggregate` for this mask: valid tokens for `token_mean`, non-empty
+    rows otherwise. Summing w_b * aggregate(x_b) over micro-batches b and dividing by sum_b w_b
+    gives exactly `aggregate` of the whole batch (each mode is a ratio of sums)."""
+    n = mask_BxT.astype(jnp.float32).sum(axis=1)
+    if mode == "token_mean":
+        return n.sum()
+    return (n > 0).astype(jnp.float32).sum()
+
+
 def aggregate(x_BxT, mask_BxT, mode: str, *, norm_len: int = 0, group_weights=None):
     """Reduce per-token values to a scalar. Rows with no valid token are left out of row means.
 
@@ -411,7 +426,7 @@ def policy_loss(
     old_logp = old_logp.astype(dtype)
     adv = jnp.where(m > 0, sg(advantages.astype(dtype)), 0.0)
     sur = LOSSES[config.name](logp, old_logp, adv, m, config, entropy=entropy)
-    mode = PAPER_AGGREGATION[config.name] if config.aggregation == "auto" else config.aggregation
+    mode = aggregation_mode(config)
 
     def agg(x):
         return aggregate(

@@ -126,8 +126,13 @@ def _split_micro(tree, n_micro: int):
     return jax.tree.map(split, tree)
 
 
-def accumulate_gradients(loss_fn, params, batch, n_micro: int):
-    """Mean loss, gradients and metrics over `n_micro` equal micro-batches (lax.scan)."""
+def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
+    """Loss, gradients and metrics of `batch` over `n_micro` equal micro-batches (lax.scan).
+
+    `weight_fn(micro_batch)` is the denominator of the loss's mean (tokens or rows, see
+    `losses.aggregation_weight`): micro-batch b enters with weight w_b / sum w, so the result
+    equals the full batch's mean even when padding rows leave micro-batches unequal. Without it
+    every micro-batch weighs the same."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if n_micro == 1:
         (loss, metrics), grads = grad_fn(params, batch)
@@ -136,14 +141,26 @@ def accumulate_gradients(loss_fn, params, batch, n_micro: int):
 
     def body(carry, mb):
         (loss, metrics), grads = grad_fn(params, mb)
-        acc_loss, acc_grads = carry
-        return (acc_loss + loss, jax.tree.map(jnp.add, acc_grads, grads)), metrics
+        w = jnp.ones(()) if weight_fn is None else weight_fn(mb).astype(jnp.float32)
+        acc_loss, acc_grads, acc_w = carry
+        acc_grads = jax.tree.map(lambda a, g: a + w * g, acc_grads, grads)
+        return (acc_loss + w * loss, acc_grads, acc_w + w), (metrics, w)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros(()), zeros), micro)
-    scale = 1.0 / n_micro
+    init = (jnp.zeros(()), zeros, jnp.zeros(()))
+    (loss, grads, total_w), (metrics, w_b) = jax.lax.scan(body, init, micro)
+    scale = 1.0 / jnp.maximum(total_w, 1e-12)
     grads = jax.tree.map(lambda g: g * scale, grads)
-    metrics = jax.tree.map(jnp.mean, metrics)
+    share = w_b * scale  # [n_micro]: metrics are the same weighted means, extremes extremes
+
+    def reduce(key, m):
+        if key.endswith("max"):
+            return jnp.max(m, axis=0)
+        if key.endswith("min"):
+            return jnp.min(m, axis=0)
+        return jnp.tensordot(share, m.astype(jnp.float32), axes=1)
+
+    metrics = {key: reduce(key, m) for key, m in metrics.items()}
     return loss * scale, grads, metrics
 
 
@@ -171,7 +188,10 @@ def rl_train_step(
             zvp_alpha=zvp_alpha,
         )
 
-    loss, grads, metrics = accumulate_gradients(loss_fn, state.params, batch, n_micro)
+    mode = losses.aggregation_mode(loss_config)
+    loss, grads, metrics = accumulate_gradients(
+        loss_fn, state.params, batch, n_micro,
+        weight_fn=lambda mb: losses.aggregation_weight(mb.loss_mask, mode))
     state, skipped = apply_gradients(state, grads, loss)
     metrics = dict(metrics)
     metrics["train/loss"] = loss
@@ -190,7 +210,8 @@ def sft_train_step(state: TrainState, batch, *, model_config, chunk_size: int, n
         nll = -_masked_mean(logp, mb["mask"])
         return nll + out.aux_loss, {"sft/nll": nll, "moe/aux_loss": out.aux_loss}
 
-    loss, grads, metrics = accumulate_gradients(loss_fn, state.params, batch, n_micro)
+    loss, grads, metrics = accumulate_gradients(
+        loss_fn, state.params, batch, n_micro, weight_fn=lambda mb: mb["mask"].sum())
     state, skipped = apply_gradients(state, grads, loss)
     metrics = dict(metrics)
     metrics["train/grad_norm"] = _global_norm(grads)
