@@ -72,6 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.advantage = ml_collections.ConfigDict()
     c.advantage.name = "grpo"  # grpo, dr_grpo or rloo
+    c.advantage.negative_scale = 1.0  # multiplies negative token advantages (0: positive only)
 
     c.loss = default_loss_config()
     c.zve = default_zve_config()
@@ -154,6 +155,9 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     if config.train.steps < 0:
         errors.append(f"config.train.steps must be >= 0 (0: warm start only), got "
                       f"{config.train.steps}")
+    if not 0.0 <= config.advantage.negative_scale <= 1.0:
+        errors.append(f"config.advantage.negative_scale must be in [0, 1], got "
+                      f"{config.advantage.negative_scale}")
     if config.model.rope_theta < 0:
         errors.append(f"config.model.rope_theta must be >= 0 (0: the preset's), got "
                       f"{config.model.rope_theta}")

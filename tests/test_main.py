@@ -37,6 +37,8 @@ def test_default_and_small_configs_validate():
         ("train.steps", -1, "config.train.steps must be >= 0 (0: warm start only), got -1"),
         ("train.micro_batches", 0, "config.train.micro_batches must be >= 1, got 0"),
         ("warmstart.max_seconds", -5.0, "config.warmstart.max_seconds must be >= 0"),
+        ("advantage.negative_scale", 1.5,
+         "config.advantage.negative_scale must be in [0, 1], got 1.5"),
         ("model.rope_theta", -1.0, "config.model.rope_theta must be >= 0 (0: the preset's)"),
         ("rollout.temperature", 0.0, "config.rollout.temperature must be > 0, got 0.0"),
     ],

@@ -80,6 +80,7 @@ class Learner:
                 step_lib.rl_train_step,
                 loss_config=config.loss,
                 zvp_alpha=config.zve.zvp.alpha if config.zve.zvp.enabled else 0.0,
+                negative_scale=config.advantage.negative_scale,
                 n_micro=config.train.micro_batches,
                 **kw,
             ),

@@ -79,17 +79,22 @@ def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_
     return batch.replace(old_logp=logp, old_entropy=ent, old_routed_experts=own_routing), metrics
 
 
-def token_advantages(batch: RLBatch, zvp_alpha: float) -> jax.Array:
+def token_advantages(batch: RLBatch, zvp_alpha: float, negative_scale: float = 1.0) -> jax.Array:
     """Sequence advantages broadcast to tokens; RL-ZVP (arXiv 2509.21880 Eq. 5, the formula of
-    `rl.advantages.zvp_token_advantages`) for rows of zero-variance groups (`zv_sign` != 0)."""
+    `rl.advantages.zvp_token_advantages`) for rows of zero-variance groups (`zv_sign` != 0).
+    Negative token advantages are then multiplied by `negative_scale` (1: unchanged, 0: only
+    rewarded tokens are reinforced)."""
     adv = jnp.broadcast_to(batch.advantages[:, None], batch.loss_mask.shape)
-    if zvp_alpha <= 0:
-        return adv
-    return zvp_token_advantages(adv, batch.zv_sign, batch.old_entropy, batch.loss_mask,
-                                zvp_alpha)
+    if zvp_alpha > 0:
+        adv = zvp_token_advantages(adv, batch.zv_sign, batch.old_entropy, batch.loss_mask,
+                                   zvp_alpha)
+    if negative_scale != 1.0:
+        adv = jnp.where(adv < 0, negative_scale * adv, adv)
+    return adv
 
 
-def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_size, zvp_alpha):
+def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_size, zvp_alpha,
+            negative_scale=1.0):
     routed = {
         "r3": batch.routed_experts,
         "r2": batch.old_routed_experts,
@@ -98,7 +103,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
     logp, _, out = sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
     )
-    adv = token_advantages(batch, zvp_alpha)
+    adv = token_advantages(batch, zvp_alpha, negative_scale)
     tis = loss_config.tis != "off"
     loss, metrics = losses.policy_loss(
         logp,
@@ -174,6 +179,7 @@ def rl_train_step(
     chunk_size: int,
     zvp_alpha: float,
     n_micro: int,
+    negative_scale: float = 1.0,
 ):
     """One optimiser update on a minibatch that already carries old-policy log-probs."""
 
@@ -186,6 +192,7 @@ def rl_train_step(
             replay=replay,
             chunk_size=chunk_size,
             zvp_alpha=zvp_alpha,
+            negative_scale=negative_scale,
         )
 
     mode = losses.aggregation_mode(loss_config)

@@ -85,6 +85,21 @@ def test_token_advantages_rl_zvp_by_hand():
     np.testing.assert_allclose(off, [[0.7, 0.7, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
 
 
+def test_negative_scale_shrinks_only_negative_token_advantages():
+    entropy = [[0.3, 0.3, 0.3, 0.3], [0.5, 1.0, 2.0, 9.0], [0.5, 1.0, 2.0, 9.0]]
+    mask = [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+    batch = _rl_batch([-0.7, 0.4, 0.0], [0, 0, -1], entropy, mask)
+    scaled = jax.jit(token_advantages, static_argnums=(1, 2))
+    # Row 0 (-0.7) and row 2's RL-ZVP all-wrong advantages -0.1 * (2 - H) = [-0.15, -0.1, 0]
+    # are negative: scaled by 0.5. Row 1 (+0.4) is unchanged.
+    half = np.asarray(scaled(batch, 0.1, 0.5)) * np.asarray(mask)
+    np.testing.assert_allclose(half, [[-0.35, -0.35, 0, 0], [0.4, 0.4, 0.4, 0],
+                                      [-0.075, -0.05, 0.0, 0]], atol=1e-7)
+    only_pos = np.asarray(scaled(batch, 0.1, 0.0)) * np.asarray(mask)
+    np.testing.assert_allclose(only_pos, [[0, 0, 0, 0], [0.4, 0.4, 0.4, 0], [0, 0, 0, 0]],
+                               atol=1e-7)
+
+
 def test_token_advantages_agree_with_rl_zvp():
     # N = 4 groups of G = 3 (equal sizes, as rl_zvp needs): mixed, all correct, all wrong, and
     # all correct with tie-broken rewards (not zero-variance).
