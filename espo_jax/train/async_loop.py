@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import time
 
-import jax
 import ml_collections
 import numpy as np
 
@@ -27,7 +26,6 @@ from espo_jax.data.zve_metrics import step_metrics
 from espo_jax.data.zve_pipeline import group_rewards
 from espo_jax.rollout import weights
 from espo_jax.rollout.buffer import BufferReader
-from espo_jax.train.learner import Learner
 from espo_jax.train.loop import Run, rewarded_groups, zve_group
 from espo_jax.train.metrics import rollout_metrics
 
@@ -95,9 +93,9 @@ class AsyncRun(Run):
         return [f"{p.name} (exit {p.exitcode})" for p in self.procs if not p.is_alive()]
 
     def run(self) -> dict:
-        c, s = self.config, self.setup
+        c = self.config
         state, meta = self._start()
-        learner = Learner(c, s.model_config, s.mesh, jax.tree.map(lambda x: x.sharding, state))
+        learner = self.make_learner(state, meta)
         publish_dir = os.path.join(self.workdir, "weights")
         step = meta["rl_step"]
         found = weights.latest(publish_dir)

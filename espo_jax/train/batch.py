@@ -29,6 +29,7 @@ class RLBatch:
     old_logp: jax.Array | None = None  # [B, T] filled by the old-policy pass
     old_entropy: jax.Array | None = None  # [B, T]
     old_routed_experts: jax.Array | None = None  # [B, T, M, k] learner's own old routing (R2)
+    ref_logp: jax.Array | None = None  # [B, T] reference policy's log-probs (KL penalty)
 
 
 def balance_rows(lengths: Sequence[int], n_shards: int, rows_per_shard: int) -> list[int]:

@@ -75,6 +75,16 @@ class Learner:
             in_shardings=(state_shardings.params, batch_shardings),
             out_shardings=None,
         )
+        self.ref_params = None  # the KL penalty's reference policy (`set_reference`)
+        self._ref_pass = jax.jit(
+            functools.partial(step_lib.reference_pass, **kw),
+            in_shardings=(state_shardings.params, None),  # the batch as put (after old pass)
+            out_shardings=None,
+        )
+        # A copy in new buffers: the train step donates the state, the reference must outlive it.
+        self._copy = jax.jit(lambda tree: jax.tree.map(lambda x: x + 0, tree),
+                             in_shardings=(state_shardings.params,),
+                             out_shardings=state_shardings.params)
         self._train_step = jax.jit(
             functools.partial(
                 step_lib.rl_train_step,
@@ -88,6 +98,11 @@ class Learner:
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,),
         )
+
+    def set_reference(self, params) -> None:
+        """Fixes the reference policy of the KL penalty (`loss.kl_coef` > 0): the policy RL
+        started from. The learner keeps its own copy."""
+        self.ref_params = self._copy(params)
 
     def _example_batch(self) -> RLBatch:
         return self.pack([], [], [], [], np.zeros(0), np.zeros(0))
@@ -137,8 +152,14 @@ class Learner:
         batches = [distributed.put_batch(b, self.batch_sharding)
                    for b in self.minibatches(groups)]
         prepared, metrics = [], []
+        kl = self.config.loss.kl_coef > 0
+        if kl and self.ref_params is None:
+            raise ValueError("loss.kl_coef > 0 needs the reference policy: call "
+                             "Learner.set_reference(params) before update")
         for b in batches:
             b, m = self._old_pass(state.params, b)
+            if kl:
+                b = self._ref_pass(self.ref_params, b)
             prepared.append(b)
             metrics.append(m)
         for b in prepared:

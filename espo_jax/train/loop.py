@@ -160,6 +160,23 @@ class Run:
         self.t_rl = time.time()
         return state, meta
 
+    def make_learner(self, state, meta) -> Learner:
+        """The learner for `state`'s shardings; with `loss.kl_coef` > 0 its reference is the
+        policy RL started from: `state` itself at RL step 0, else WORKDIR/warmstart (saved by
+        `_start` before the first RL step, so a resumed run penalises against the same one)."""
+        s = self.setup
+        learner = Learner(self.config, s.model_config, s.mesh,
+                          jax.tree.map(lambda x: x.sharding, state))
+        if self.config.loss.kl_coef > 0:
+            if meta["rl_step"] == 0:
+                learner.set_reference(state.params)
+            else:
+                warm = Checkpointer(os.path.join(self.workdir, "warmstart"), keep=1,
+                                    async_save=False)
+                learner.set_reference(warm.restore(state)[0].params)
+                warm.close()
+        return learner
+
     def finish(self, state, meta) -> dict:
         final = self.evaluate(state.params)
         self.logger.write(meta["rl_step"], final, phase="eval")
@@ -214,8 +231,7 @@ class SyncRun(Run):
     def run(self) -> dict:
         c, s = self.config, self.setup
         state, meta = self._start()
-        state_shardings = jax.tree.map(lambda x: x.sharding, state)
-        learner = Learner(c, s.model_config, s.mesh, state_shardings)
+        learner = self.make_learner(state, meta)
         removed = discard_unread(self.buffer_dir, meta["cursor"]) if os.path.isdir(
             self.buffer_dir) else 0
         if removed:

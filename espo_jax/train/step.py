@@ -79,6 +79,16 @@ def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_
     return batch.replace(old_logp=logp, old_entropy=ent, old_routed_experts=own_routing), metrics
 
 
+def reference_pass(ref_params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
+    """`batch` with the reference policy's log-probs of its targets (for `loss.kl_coef`),
+    routed like the old-policy pass (the recorded routing under R3, its own top-k otherwise)."""
+    routed = batch.routed_experts if replay == "r3" else None
+    logp, _, _ = sequence_logprobs(
+        model_config, ref_params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
+    )
+    return batch.replace(ref_logp=jax.lax.stop_gradient(logp))
+
+
 def token_advantages(batch: RLBatch, zvp_alpha: float, negative_scale: float = 1.0) -> jax.Array:
     """Sequence advantages broadcast to tokens; RL-ZVP (arXiv 2509.21880 Eq. 5, the formula of
     `rl.advantages.zvp_token_advantages`) for rows of zero-variance groups (`zv_sign` != 0).
@@ -105,6 +115,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
     )
     adv = token_advantages(batch, zvp_alpha, negative_scale)
     tis = loss_config.tis != "off"
+    kl = loss_config.kl_coef > 0
     loss, metrics = losses.policy_loss(
         logp,
         batch.old_logp,
@@ -113,6 +124,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
         loss_config,
         entropy=batch.old_entropy,
         behaviour_logp=batch.behaviour_logp if tis else None,
+        ref_logp=batch.ref_logp if kl else None,
     )
     metrics = dict(metrics)
     metrics["pg/loss"] = loss

@@ -347,3 +347,35 @@ def test_update_moves_probability_towards_the_rewarded_response(learner_setup):
     state, _ = learner.update(make_state(params), groups)
     after = [_response_logp(model_config, state.params, generated[0], j) for j in (0, 1)]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
+
+
+def test_kl_penalty_pulls_towards_the_reference(learner_setup):
+    learner, params, make_state, generated = learner_setup
+    c = learner.config.copy_and_resolve_references()
+    c.loss.kl_coef = 1.0
+    c.zve.zvp.enabled = False  # with no contrast in any group, only the KL term has a gradient
+    state_shardings = jax.tree.map(lambda x: x.sharding, make_state(params))
+    lrn = Learner(c, learner.model_config, learner.mesh, state_shardings)
+    flat = _groups(generated, [[1.0, 1.0], [0.0, 0.0]])
+    with pytest.raises(ValueError, match="set_reference"):
+        lrn.update(make_state(params), flat)
+    lrn.set_reference(params)
+
+    def kl_at(p):
+        batch = jax.device_put(lrn.minibatches(flat)[0], lrn.batch_sharding)
+        batch, _ = lrn._old_pass(p, batch)
+        batch = lrn._ref_pass(lrn.ref_params, batch)
+        _, m = lrn._train_step(make_state(p), batch)
+        return float(m["kl/mean"])
+
+    assert abs(kl_at(params)) < 1e-6  # the policy is its own reference
+    # Two policy-gradient updates at lr 1e-2 (the plain learner) move the policy away...
+    state, _ = learner.update(make_state(params), _groups(generated, [[1.0, 0.0], [0.0, 1.0]]))
+    moved = jax.tree.map(lambda x: x + 0, state.params)
+    kl_moved = kl_at(moved)
+    assert kl_moved > 1e-4
+    # ...and updates with the KL term alone bring it back (k3 estimate of KL(pi || ref)).
+    state = make_state(moved)
+    for _ in range(3):
+        state, m = lrn.update(state, flat)
+    assert kl_at(state.params) < 0.5 * kl_moved
