@@ -32,6 +32,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dispatch = "dropless"  # MoE dispatch, one of DISPATCHES
     c.model.hf_path = ""  # if set, initial weights and config from a Hugging Face directory
     c.model.rope_theta = 0.0  # RoPE base; 0 keeps the preset's (Qwen3's 1e6)
+    c.model.aux_loss_coef = -1.0  # load-balancing loss weight; < 0 keeps the preset's (1e-3)
 
     c.tokenizer = "char"  # "char" or a path to a Hugging Face tokenizer.json
 

@@ -52,7 +52,7 @@ def test_bad_choice_names_key_and_allowed_values(key, value, message):
     assert message in str(e.value)
 
 
-def test_rope_theta_overrides_the_preset_only_when_set():
+def test_model_overrides_apply_only_when_set():
     from espo_jax.train.setup import preset_model_config
 
     c = _small()
@@ -60,6 +60,9 @@ def test_rope_theta_overrides_the_preset_only_when_set():
     c.model.rope_theta = 1e4
     assert preset_model_config(c).rope_theta == 1e4
     assert preset_model_config(c).d_model == 64  # the rest of the preset is untouched
+    assert preset_model_config(c).aux_loss_coef == 1e-3
+    c.model.aux_loss_coef = 0.0  # 0 switches the load-balancing loss off; < 0 keeps the preset's
+    assert preset_model_config(c).aux_loss_coef == 0.0
 
 
 def test_divisibility_messages_name_the_numbers():

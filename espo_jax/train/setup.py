@@ -92,8 +92,11 @@ def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
 
 
 def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """`config.model.preset` with the config's overrides (dispatch; rope_theta when > 0)."""
+    """`config.model.preset` with the config's overrides (dispatch; rope_theta when > 0;
+    aux_loss_coef when >= 0)."""
     overrides = {"rope_theta": float(config.model.rope_theta)} if config.model.rope_theta else {}
+    if config.model.aux_loss_coef >= 0:
+        overrides["aux_loss_coef"] = float(config.model.aux_loss_coef)
     return get_preset(config.model.preset, dispatch=config.model.dispatch, **overrides)
 
 

@@ -29,7 +29,9 @@ def _command(workdir, code):
             os.path.join(code, "experiments", "arith_espo.py:small"),
             "--workdir", str(workdir), f"--config.train.steps={STEPS}",
             "--config.checkpoint.every=1", "--config.checkpoint.keep=2",
-            "--config.eval.pass_k=0"]
+            "--config.eval.pass_k=0",
+            # A KL term to the warm start: the resumed run must reload the same reference.
+            "--config.loss.kl_coef=0.05"]
 
 
 def _snapshot(dest):
