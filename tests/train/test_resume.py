@@ -30,8 +30,10 @@ def _command(workdir, code):
             "--workdir", str(workdir), f"--config.train.steps={STEPS}",
             "--config.checkpoint.every=1", "--config.checkpoint.keep=2",
             "--config.eval.pass_k=0",
-            # A KL term to the warm start: the resumed run must reload the same reference.
-            "--config.loss.kl_coef=0.05"]
+            # A KL term to the warm start, large enough to steer the updates (no warm-up, lr
+            # 1e-3): the resumed run must penalise against the same reference.
+            "--config.loss.kl_coef=1.0", "--config.optim.warmup_steps=0",
+            "--config.optim.lr=1e-3"]
 
 
 def _snapshot(dest):
