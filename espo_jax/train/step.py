@@ -46,12 +46,18 @@ def _masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
-    """Old-policy log-probs/entropies (no gradient) and train-inference mismatch metrics."""
+def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: int):
+    """`sequence_logprobs` of a policy that is not being trained (the old policy, the KL
+    reference): the recorded routing under R3, its own top-k otherwise."""
     routed = batch.routed_experts if replay == "r3" else None
-    logp, ent, out = sequence_logprobs(
+    return sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
     )
+
+
+def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
+    """Old-policy log-probs/entropies (no gradient) and train-inference mismatch metrics."""
+    logp, ent, out = _frozen_pass(params, batch, model_config, replay, chunk_size)
     logp, ent = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
     mask = batch.loss_mask
     delta = jnp.abs(logp - batch.behaviour_logp) * mask
@@ -81,11 +87,8 @@ def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_
 
 def reference_pass(ref_params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
     """`batch` with the reference policy's log-probs of its targets (for `loss.kl_coef`),
-    routed like the old-policy pass (the recorded routing under R3, its own top-k otherwise)."""
-    routed = batch.routed_experts if replay == "r3" else None
-    logp, _, _ = sequence_logprobs(
-        model_config, ref_params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
-    )
+    routed like the old-policy pass."""
+    logp, _, _ = _frozen_pass(ref_params, batch, model_config, replay, chunk_size)
     return batch.replace(ref_logp=jax.lax.stop_gradient(logp))
 
 
