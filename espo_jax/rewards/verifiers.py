@@ -29,6 +29,7 @@ backend); it must be called on the main thread.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -87,26 +88,46 @@ def _answer_text(response: str) -> str:
     return response
 
 
+_REALARM_S = 0.05  # after the deadline, the alarm repeats this often until it is heard
+
+
+@contextlib.contextmanager
+def _deadline(timeout_s: float):
+    """Raises `_Timeout` in the main thread once `timeout_s` has passed. The alarm repeats
+    every `_REALARM_S` until the block ends: a handler's exception raised inside code that
+    swallows exceptions (a gc callback, e.g. JAX's, prints and drops it) would otherwise be lost
+    and the computation run on unbounded."""
+    live = True
+
+    def on_alarm(signum, frame):
+        if live:
+            raise _Timeout
+
+    old_handler = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s, _REALARM_S)
+    try:
+        try:
+            yield
+        finally:
+            live = False  # from here a late alarm is ignored
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+
+
 def _check_in_process(response: str, answer: str, timeout_s: float) -> tuple[bool, bool]:
     """(outcome, timed_out); main thread only (uses SIGALRM)."""
     from math_verify import parse, verify
 
-    def on_alarm(signum, frame):
-        raise _Timeout
-
-    old_handler = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        gold = parse(f"${answer}$", parsing_timeout=None)
-        pred = parse(_answer_text(response), parsing_timeout=None)
-        if not gold or not pred:
-            return False, False
-        return bool(verify(gold, pred, timeout_seconds=None)), False
+        with _deadline(timeout_s):
+            gold = parse(f"${answer}$", parsing_timeout=None)
+            pred = parse(_answer_text(response), parsing_timeout=None)
+            if not gold or not pred:
+                return False, False
+            return bool(verify(gold, pred, timeout_seconds=None)), False
     except _Timeout:
         return False, True
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old_handler)
 
 
 class _Helper:

@@ -110,6 +110,22 @@ def test_works_off_the_main_thread():
             os.kill(pid, 0)
 
 
+def test_deadline_survives_a_swallowed_alarm():
+    from espo_jax.rewards.verifiers import _deadline, _Timeout
+
+    start = time.monotonic()
+    with pytest.raises(_Timeout), _deadline(0.1):
+        try:
+            time.sleep(2.0)  # the first alarm lands here...
+        except _Timeout:
+            pass  # ...and is dropped, as a gc callback drops it (JAX's did, in CI)
+        time.sleep(2.0)  # a one-shot alarm would leave this to run its 2 s
+    assert time.monotonic() - start < 0.5  # 0.1 s deadline + one 0.05 s repeat
+    with _deadline(0.1):  # a block that ends in time is not interrupted
+        time.sleep(0.01)
+    time.sleep(0.3)  # nor later: the alarm is off once the block has ended
+
+
 def test_in_process_mode_is_main_thread_only():
     assert verify_math("\\boxed{0.5}", "1/2", isolate=False) is True
     start = time.monotonic()
