@@ -93,6 +93,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.steps = 50  # rollout batches (RL steps)
     c.train.updates_per_batch = 1  # minibatch updates per rollout batch
     c.train.micro_batches = 1  # gradient accumulation inside one update
+    # Supervised anchor (PPO-ptx): every update also descends anchor_coef x the cross-entropy of
+    # anchor_rows worked solutions of the warm-start levels (0: off; rows 0: warmstart.batch_size)
+    c.train.anchor_coef = 0.0
+    c.train.anchor_rows = 0
     c.train.replay = "r3"  # router replay: r3 (recorded), r2 (learner's old routing), off
     c.train.logprob_chunk = 64  # sequence chunk for log-prob / entropy computation
     c.train.max_staleness = 1  # async: drop groups older than this many policy versions
@@ -159,6 +163,12 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     if not 0.0 <= config.advantage.negative_scale <= 1.0:
         errors.append(f"config.advantage.negative_scale must be in [0, 1], got "
                       f"{config.advantage.negative_scale}")
+    if config.train.anchor_coef < 0 or config.train.anchor_rows < 0:
+        errors.append(f"config.train.anchor_coef and config.train.anchor_rows must be >= 0, got "
+                      f"{config.train.anchor_coef} and {config.train.anchor_rows}")
+    if config.train.anchor_coef > 0 and not config.warmstart.levels:
+        errors.append("config.train.anchor_coef > 0 needs worked solutions: "
+                      "config.warmstart.levels is empty")
     if config.model.rope_theta < 0:
         errors.append(f"config.model.rope_theta must be >= 0 (0: the preset's), got "
                       f"{config.model.rope_theta}")

@@ -40,6 +40,8 @@ def test_default_and_small_configs_validate():
         ("advantage.negative_scale", 1.5,
          "config.advantage.negative_scale must be in [0, 1], got 1.5"),
         ("model.rope_theta", -1.0, "config.model.rope_theta must be >= 0 (0: the preset's)"),
+        ("train.anchor_coef", -0.5, "config.train.anchor_coef and config.train.anchor_rows "
+         "must be >= 0, got -0.5 and 0"),
         ("rollout.temperature", 0.0, "config.rollout.temperature must be > 0, got 0.0"),
     ],
 )
@@ -50,6 +52,15 @@ def test_bad_choice_names_key_and_allowed_values(key, value, message):
     with pytest.raises(ValueError, match="invalid config") as e:
         configs.validate(c, n_devices=1)
     assert message in str(e.value)
+
+
+def test_anchor_needs_warm_start_levels():
+    c = _small()
+    c.train.anchor_coef = 0.5
+    configs.validate(c, n_devices=1)
+    c.warmstart.levels = ()
+    with pytest.raises(ValueError, match="config.warmstart.levels is empty"):
+        configs.validate(c, n_devices=1)
 
 
 def test_model_overrides_apply_only_when_set():

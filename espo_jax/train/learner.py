@@ -24,6 +24,7 @@ from espo_jax.rollout.records import RolloutGroup
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import RLBatch, pack_sequences
 from espo_jax.train.state import TrainState
+from espo_jax.train.warmstart import sft_batch
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -76,6 +77,7 @@ class Learner:
             out_shardings=None,
         )
         self.ref_params = None  # the KL penalty's reference policy (`set_reference`)
+        self._anchor = None  # worked solutions of the supervised anchor (`set_anchor`)
         self._ref_pass = jax.jit(
             functools.partial(step_lib.reference_pass, **kw),
             in_shardings=(state_shardings.params, None),  # the batch as put (after old pass)
@@ -92,12 +94,35 @@ class Learner:
                 zvp_alpha=config.zve.zvp.alpha if config.zve.zvp.enabled else 0.0,
                 negative_scale=config.advantage.negative_scale,
                 n_micro=config.train.micro_batches,
+                anchor_coef=config.train.anchor_coef,
                 **kw,
             ),
-            in_shardings=(state_shardings, None),
+            in_shardings=(state_shardings, None, None),
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,),
         )
+
+    def set_anchor(self, prompts: Sequence[dict], tokenizer, seq_len: int) -> None:
+        """Worked solutions for the supervised anchor (`train.anchor_coef` > 0): each update
+        draws `train.anchor_rows` of them, seeded by `config.seed` and the optimiser step (so a
+        resumed run draws the same ones)."""
+        if not prompts:
+            raise ValueError("train.anchor_coef > 0 needs worked solutions: warmstart.levels "
+                             "selects no prompts")
+        self._anchor = (list(prompts), tokenizer, seq_len)
+
+    def anchor_batch(self, opt_step: int) -> dict | None:
+        """The anchor rows of optimiser update `opt_step` (None when the anchor is off)."""
+        if self.config.train.anchor_coef <= 0:
+            return None
+        if self._anchor is None:
+            raise ValueError("train.anchor_coef > 0: call Learner.set_anchor(prompts, ...) "
+                             "before update")
+        prompts, tokenizer, seq_len = self._anchor
+        rows = self.config.train.anchor_rows or self.config.warmstart.batch_size
+        rng = np.random.default_rng([self.config.seed, opt_step])
+        idx = rng.integers(0, len(prompts), size=rows)
+        return sft_batch(prompts, idx, tokenizer, seq_len)
 
     def set_reference(self, params) -> None:
         """Fixes the reference policy of the KL penalty (`loss.kl_coef` > 0): the policy RL
@@ -162,8 +187,12 @@ class Learner:
                 b = self._ref_pass(self.ref_params, b)
             prepared.append(b)
             metrics.append(m)
-        for b in prepared:
-            state, m = self._train_step(state, b)
+        step0 = int(jax.device_get(state.step)) if self.config.train.anchor_coef > 0 else 0
+        for i, b in enumerate(prepared):
+            anchor = self.anchor_batch(step0 + i)
+            if anchor is not None:
+                anchor = distributed.put_batch(anchor, self.batch_sharding)
+            state, m = self._train_step(state, b, anchor)
             metrics.append(m)
         merged: dict[str, list] = {}
         for m in jax.device_get(metrics):

@@ -33,7 +33,7 @@ from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.evaluate import evaluate
 from espo_jax.train.learner import Learner
 from espo_jax.train.metrics import MetricLogger, rollout_metrics
-from espo_jax.train.warmstart import warm_start
+from espo_jax.train.warmstart import warm_seq_len, warm_start
 
 
 def _engine(setup, precision: str) -> Engine:
@@ -167,6 +167,11 @@ class Run:
         s = self.setup
         learner = Learner(self.config, s.model_config, s.mesh,
                           jax.tree.map(lambda x: x.sharding, state))
+        if self.config.train.anchor_coef > 0:
+            c = self.config
+            learner.set_anchor(s.warm_prompts, s.tokenizer, warm_seq_len(
+                s.warm_prompts, s.tokenizer,
+                c.rollout.max_prompt_len + c.rollout.max_new_tokens - 1))
         if self.config.loss.kl_coef > 0:
             if meta["rl_step"] == 0:
                 learner.set_reference(state.params)

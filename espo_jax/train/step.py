@@ -12,6 +12,8 @@ Router replay (`replay`):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -187,6 +189,7 @@ def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
 def rl_train_step(
     state: TrainState,
     batch: RLBatch,
+    anchor_batch=None,
     *,
     model_config,
     loss_config: ml_collections.ConfigDict,
@@ -195,8 +198,13 @@ def rl_train_step(
     zvp_alpha: float,
     n_micro: int,
     negative_scale: float = 1.0,
+    anchor_coef: float = 0.0,
 ):
-    """One optimiser update on a minibatch that already carries old-policy log-probs."""
+    """One optimiser update on a minibatch that already carries old-policy log-probs.
+
+    With `anchor_coef` > 0 the update also descends `anchor_coef` times the cross-entropy of
+    `anchor_batch` (worked solutions, `sft_loss`): the RL gradient plus a supervised anchor that
+    keeps what the warm start taught (InstructGPT's PPO-ptx mixing, arXiv 2203.02155 Eq. 2)."""
 
     def loss_fn(params, mb):
         return rl_loss(
@@ -214,24 +222,35 @@ def rl_train_step(
     loss, grads, metrics = accumulate_gradients(
         loss_fn, state.params, batch, n_micro,
         weight_fn=lambda mb: losses.aggregation_weight(mb.loss_mask, mode))
-    state, skipped = apply_gradients(state, grads, loss)
     metrics = dict(metrics)
+    if anchor_coef > 0:
+        if anchor_batch is None:
+            raise ValueError("anchor_coef > 0 needs an anchor_batch of worked solutions")
+        (nll, sft_metrics), sft_grads = jax.value_and_grad(sft_loss, has_aux=True)(
+            state.params, anchor_batch, model_config=model_config, chunk_size=chunk_size)
+        grads = jax.tree.map(lambda g, a: g + anchor_coef * a, grads, sft_grads)
+        loss = loss + anchor_coef * nll
+        metrics["anchor/nll"] = sft_metrics["sft/nll"]
+    state, skipped = apply_gradients(state, grads, loss)
     metrics["train/loss"] = loss
     metrics["train/grad_norm"] = _global_norm(grads)
     metrics["train/skipped_update"] = skipped
     return state, metrics
 
 
+def sft_loss(params, batch, *, model_config, chunk_size: int):
+    """Token cross-entropy on `batch["targets"]` where `batch["mask"]` (plus the MoE aux loss)."""
+    logp, _, out = sequence_logprobs(
+        model_config, params, batch["tokens"], batch["positions"], batch["targets"], None,
+        chunk_size,
+    )
+    nll = -_masked_mean(logp, batch["mask"])
+    return nll + out.aux_loss, {"sft/nll": nll, "moe/aux_loss": out.aux_loss}
+
+
 def sft_train_step(state: TrainState, batch, *, model_config, chunk_size: int, n_micro: int):
-    """Supervised warm start: token cross-entropy on `batch["targets"]` where `batch["mask"]`."""
-
-    def loss_fn(params, mb):
-        logp, _, out = sequence_logprobs(
-            model_config, params, mb["tokens"], mb["positions"], mb["targets"], None, chunk_size
-        )
-        nll = -_masked_mean(logp, mb["mask"])
-        return nll + out.aux_loss, {"sft/nll": nll, "moe/aux_loss": out.aux_loss}
-
+    """Supervised warm start: one update on `sft_loss`."""
+    loss_fn = functools.partial(sft_loss, model_config=model_config, chunk_size=chunk_size)
     loss, grads, metrics = accumulate_gradients(
         loss_fn, state.params, batch, n_micro, weight_fn=lambda mb: mb["mask"].sum())
     state, skipped = apply_gradients(state, grads, loss)

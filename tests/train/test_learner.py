@@ -297,7 +297,7 @@ def test_replay_modes(learner_setup):
         lrn = learners[mode]
         batch = jax.device_put(lrn.minibatches(groups)[0], lrn.batch_sharding)
         batch, m_old = lrn._old_pass(params, batch)
-        _, m = lrn._train_step(make_state(params), batch)
+        _, m = lrn._train_step(make_state(params), batch, None)
         return {k: float(v) for k, v in {**m_old, **m}.items()}
 
     # True recordings: the fp32 engine routed exactly as the learner does, so replaying them
@@ -365,7 +365,7 @@ def test_kl_penalty_pulls_towards_the_reference(learner_setup):
         batch = jax.device_put(lrn.minibatches(flat)[0], lrn.batch_sharding)
         batch, _ = lrn._old_pass(p, batch)
         batch = lrn._ref_pass(lrn.ref_params, batch)
-        _, m = lrn._train_step(make_state(p), batch)
+        _, m = lrn._train_step(make_state(p), batch, None)
         return float(m["kl/mean"])
 
     assert abs(kl_at(params)) < 1e-6  # the policy is its own reference
@@ -379,3 +379,34 @@ def test_kl_penalty_pulls_towards_the_reference(learner_setup):
     for _ in range(3):
         state, m = lrn.update(state, flat)
     assert kl_at(state.params) < 0.5 * kl_moved
+
+
+def test_anchor_teaches_worked_solutions_during_rl(learner_setup):
+    # train.anchor_coef: each update adds the cross-entropy of worked solutions. With no contrast
+    # in any group (and RL-ZVP off) the RL gradient is zero, so the anchor alone must lower the
+    # solutions' NLL; the rows drawn depend only on (seed, optimiser step).
+    learner, params, make_state, generated = learner_setup
+    c = learner.config.copy_and_resolve_references()
+    c.train.anchor_coef = 1.0
+    c.train.anchor_rows = 2
+    c.zve.zvp.enabled = False
+    tok = CharTokenizer()
+    prompts = [{"prompt_id": f"p{i}", "tokens": tok.encode(f"{i}+{i}=", add_bos=True),
+                "solution": f"{i}+{i}={2 * i}#{2 * i}"} for i in range(4)]
+    state_shardings = jax.tree.map(lambda x: x.sharding, make_state(params))
+    lrn = Learner(c, learner.model_config, learner.mesh, state_shardings)
+    flat = _groups(generated, [[1.0, 1.0], [0.0, 0.0]])
+    with pytest.raises(ValueError, match="set_anchor"):
+        lrn.update(make_state(params), flat)
+    with pytest.raises(ValueError, match="warmstart.levels"):
+        lrn.set_anchor([], tok, 16)
+    lrn.set_anchor(prompts, tok, 16)
+    first = lrn.anchor_batch(0)
+    np.testing.assert_array_equal(first["tokens"], lrn.anchor_batch(0)["tokens"])
+    assert first["tokens"].shape == (2, 16) and first["mask"].sum() > 0
+    state, m0 = lrn.update(make_state(params), flat)
+    assert int(state.step) == 2 and m0["anchor/nll"] > 0
+    for _ in range(3):
+        state, m = lrn.update(state, flat)
+    assert m["anchor/nll"] < 0.8 * m0["anchor/nll"], (m0["anchor/nll"], m["anchor/nll"])
+    assert learner.anchor_batch(0) is None  # anchor_coef 0: no rows, the step ignores it
