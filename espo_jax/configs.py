@@ -191,6 +191,12 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
                 f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
                 f"{config.mesh.fsdp}"
             )
+        anchor_rows = config.train.anchor_rows or config.warmstart.batch_size
+        if config.train.anchor_coef > 0 and anchor_rows % (config.mesh.data * config.mesh.fsdp):
+            errors.append(
+                f"anchor rows {anchor_rows} (train.anchor_rows, or warmstart.batch_size when 0) "
+                f"not divisible by mesh.data * mesh.fsdp = {config.mesh.data * config.mesh.fsdp}"
+            )
         mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
         if mesh > n_devices:
             errors.append(

@@ -58,9 +58,13 @@ def test_anchor_needs_warm_start_levels():
     c = _small()
     c.train.anchor_coef = 0.5
     configs.validate(c, n_devices=1)
+    c.mesh.data = 2
+    c.train.anchor_rows = 3  # rows of the anchor batch are split over the data shards
+    with pytest.raises(ValueError, match=r"anchor rows 3 .* not divisible by mesh.data"):
+        configs.validate(c, n_devices=2)
     c.warmstart.levels = ()
     with pytest.raises(ValueError, match="config.warmstart.levels is empty"):
-        configs.validate(c, n_devices=1)
+        configs.validate(c, n_devices=2)
 
 
 def test_model_overrides_apply_only_when_set():
