@@ -31,9 +31,10 @@ def _command(workdir, code):
             "--config.checkpoint.every=1", "--config.checkpoint.keep=2",
             "--config.eval.pass_k=0",
             # A KL term to the warm start, large enough to steer the updates (no warm-up, lr
-            # 1e-3): the resumed run must penalise against the same reference.
+            # 1e-3): the resumed run must penalise against the same reference. The supervised
+            # anchor too: it must draw the same worked solutions at the same updates.
             "--config.loss.kl_coef=1.0", "--config.optim.warmup_steps=0",
-            "--config.optim.lr=1e-3"]
+            "--config.optim.lr=1e-3", "--config.train.anchor_coef=1.0"]
 
 
 def _snapshot(dest):
