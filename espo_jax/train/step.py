@@ -226,10 +226,11 @@ def rl_train_step(
     if anchor_coef > 0:
         if anchor_batch is None:
             raise ValueError("anchor_coef > 0 needs an anchor_batch of worked solutions")
-        (nll, sft_metrics), sft_grads = jax.value_and_grad(sft_loss, has_aux=True)(
+        # The anchor's loss includes the MoE aux loss of its own forward pass.
+        (anchor_loss, sft_metrics), sft_grads = jax.value_and_grad(sft_loss, has_aux=True)(
             state.params, anchor_batch, model_config=model_config, chunk_size=chunk_size)
         grads = jax.tree.map(lambda g, a: g + anchor_coef * a, grads, sft_grads)
-        loss = loss + anchor_coef * nll
+        loss = loss + anchor_coef * anchor_loss
         metrics["anchor/nll"] = sft_metrics["sft/nll"]
     state, skipped = apply_gradients(state, grads, loss)
     metrics["train/loss"] = loss
