@@ -161,17 +161,16 @@ class Run:
         return state, meta
 
     def make_learner(self, state, meta) -> Learner:
-        """The learner for `state`'s shardings; with `loss.kl_coef` > 0 its reference is the
+        """The learner for `state`'s shardings, with the warm-start levels' worked solutions as
+        its anchor when `train.anchor_coef` > 0; with `loss.kl_coef` > 0 its reference is the
         policy RL started from: `state` itself at RL step 0, else WORKDIR/warmstart (saved by
         `_start` before the first RL step, so a resumed run penalises against the same one)."""
         s = self.setup
         learner = Learner(self.config, s.model_config, s.mesh,
                           jax.tree.map(lambda x: x.sharding, state))
-        if self.config.train.anchor_coef > 0:
-            c = self.config
-            learner.set_anchor(s.warm_prompts, s.tokenizer, warm_seq_len(
-                s.warm_prompts, s.tokenizer,
-                c.rollout.max_prompt_len + c.rollout.max_new_tokens - 1))
+        if self.config.train.anchor_coef > 0:  # worked solutions, at most the RL row length
+            learner.set_anchor(s.warm_prompts, s.tokenizer,
+                               warm_seq_len(s.warm_prompts, s.tokenizer, learner.seq_len))
         if self.config.loss.kl_coef > 0:
             if meta["rl_step"] == 0:
                 learner.set_reference(state.params)
