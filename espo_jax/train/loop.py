@@ -279,11 +279,14 @@ class SyncRun(Run):
             self.engine.load_params(state.params)
             batch, zmetrics = zve.step(c.rollout.prompts_per_step, rollout)
             groups = rewarded_groups(batch)
+            t_update = time.time()
             state, lmetrics = learner.update(state, groups)
+            t_done = time.time()
             step += 1
             self.record_step(meta, step, zmetrics, lmetrics)
             metrics = {**zmetrics, **lmetrics, **self.pool.metrics(), **rollout_metrics(groups),
-                       "time/step_s": time.time() - t_step}
+                       "time/step_s": t_done - t_step, "time/rollout_s": t_update - t_step,
+                       "time/update_s": t_done - t_update}
             if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
                 metrics.update(self.evaluate(state.params))
             self.logger.write(step, metrics, phase="rl")
