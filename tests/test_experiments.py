@@ -109,6 +109,9 @@ def test_small_variant_runs_two_rl_steps(name, tmp_path_factory, runs):
     for key in ("mismatch/mean_abs_logp", "moe/routing_flip_rate", "zve/zero_variance_frac_before",
                 "entropy/mean", "train/grad_norm"):
         assert all(r[key] is not None for r in rl), key
+    for r in rl:  # the step's time splits into rollout (generate + score) and learner update
+        assert r["time/rollout_s"] > 0 and r["time/update_s"] > 0
+        assert r["time/rollout_s"] + r["time/update_s"] == pytest.approx(r["time/step_s"])
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
     assert os.listdir(os.path.join(workdir, "tensorboard"))
     runs[name] = workdir
