@@ -32,6 +32,11 @@ class RLBatch:
     ref_logp: jax.Array | None = None  # [B, T] reference policy's log-probs (KL penalty)
 
 
+def rl_seq_len(config) -> int:
+    """Columns of an RL row: prompt (bos included) + response, less the last token (a target)."""
+    return config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
+
+
 def balance_rows(lengths: Sequence[int], n_shards: int, rows_per_shard: int) -> list[int]:
     """Longest-processing-time assignment of sequences to data shards by token count.
 

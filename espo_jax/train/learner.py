@@ -22,7 +22,7 @@ from espo_jax import distributed
 from espo_jax.rl.advantages import ADVANTAGES
 from espo_jax.rollout.records import RolloutGroup
 from espo_jax.train import step as step_lib
-from espo_jax.train.batch import RLBatch, pack_sequences
+from espo_jax.train.batch import RLBatch, pack_sequences, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
 
@@ -57,7 +57,7 @@ class Learner:
         self.mesh = mesh
         self.rows = config.rollout.prompts_per_step * config.zve.n_samples
         self.rows_per_update = self.rows // config.train.updates_per_batch
-        self.seq_len = config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
+        self.seq_len = rl_seq_len(config)
         self.n_data_shards = config.mesh.data * config.mesh.fsdp
         self.moe_shape = (
             (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None

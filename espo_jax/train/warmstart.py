@@ -17,6 +17,7 @@ import numpy as np
 
 from espo_jax.train import state as state_lib
 from espo_jax.train import step as step_lib
+from espo_jax.train.batch import rl_seq_len
 
 
 def sft_batch(prompts: Sequence[dict], idx: np.ndarray, tokenizer, seq_len: int) -> dict:
@@ -58,8 +59,7 @@ def warm_start(
     """Trains `params` on worked solutions; returns (params, last eval metrics plus
     `warmstart/steps` and `warmstart/seconds`, what it ran)."""
     config, ws = setup.config, setup.config.warmstart
-    seq_len = warm_seq_len(setup.warm_prompts, setup.tokenizer,
-                           config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1)
+    seq_len = warm_seq_len(setup.warm_prompts, setup.tokenizer, rl_seq_len(config))
     optim = config.optim.copy_and_resolve_references()
     optim.lr = ws.lr
     tx = state_lib.make_optimizer(optim, ws.steps)
