@@ -2,14 +2,19 @@
 
 `Learner.update(groups)` turns a rollout batch into fixed-shape minibatches (advantages on the
 host, per group, so groups may have different sizes), runs the old-policy pass on all of them
-(router replay, mismatch metrics), then one optimiser update per minibatch. The jitted
-functions are compiled once, with explicit shardings and donation of the train state.
+(router replay, mismatch metrics), then one optimiser update per minibatch. A rollout batch
+that fits one minibatch skips the separate old-policy pass: its only update runs at the old
+parameters, so the update's own forward gives the old log-probs (`step.rl_loss(fused=True)`;
+one forward of the batch less per step). The update steps are jitted with explicit shardings
+and donation of the train state, and compiled ahead of time on their first inputs
+(`jit(...).lower(...).compile()`), logging XLA's memory report (`Learner.memory_report`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Sequence
 
 import jax
@@ -46,6 +51,17 @@ def group_advantages(
     if not advs:
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
     return np.concatenate(advs).astype(np.float32), np.concatenate(signs)
+
+
+def memory_report(compiled) -> dict[str, int]:
+    """XLA's memory analysis of a compiled executable, in bytes ({} where not reported)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return {}
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {f.removesuffix("_size_in_bytes"): int(getattr(analysis, f)) for f in fields
+            if hasattr(analysis, f)}
 
 
 class Learner:
@@ -87,20 +103,25 @@ class Learner:
         self._copy = jax.jit(lambda tree: jax.tree.map(lambda x: x + 0, tree),
                              in_shardings=(state_shardings.params,),
                              out_shardings=state_shardings.params)
-        self._train_step = jax.jit(
-            functools.partial(
-                step_lib.rl_train_step,
-                loss_config=config.loss,
-                zvp_alpha=config.zve.zvp.alpha if config.zve.zvp.enabled else 0.0,
-                negative_scale=config.advantage.negative_scale,
-                n_micro=config.train.micro_batches,
-                anchor_coef=config.train.anchor_coef,
-                **kw,
-            ),
-            in_shardings=(state_shardings, None, None),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=(0,),
+        step_kw = dict(
+            loss_config=config.loss,
+            zvp_alpha=config.zve.zvp.alpha if config.zve.zvp.enabled else 0.0,
+            negative_scale=config.advantage.negative_scale,
+            n_micro=config.train.micro_batches,
+            anchor_coef=config.train.anchor_coef,
+            **kw,
         )
+        self._train_step, self._fused_step = (
+            jax.jit(
+                functools.partial(step_lib.rl_train_step, fused=fused, **step_kw),
+                in_shardings=(state_shardings, None, None),
+                out_shardings=(state_shardings, replicated),
+                donate_argnums=(0,),
+            )
+            for fused in (False, True)
+        )
+        self._compiled: dict[str, object] = {}
+        self.memory_report: dict[str, dict[str, int]] = {}  # per compiled update step
 
     def set_anchor(self, prompts: Sequence[dict], tokenizer, seq_len: int) -> None:
         """Worked solutions for the supervised anchor (`train.anchor_coef` > 0): each update
@@ -128,6 +149,19 @@ class Learner:
         """Fixes the reference policy of the KL penalty (`loss.kl_coef` > 0): the policy RL
         started from. The learner keeps its own copy."""
         self.ref_params = self._copy(params)
+
+    def _run_compiled(self, name: str, fn, *args):
+        """`fn(*args)` through its ahead-of-time executable, compiled (and its memory report
+        logged) on the first call; inputs keep one shape, so it compiles once."""
+        exe = self._compiled.get(name)
+        if exe is None:
+            start = time.time()
+            exe = fn.lower(*args).compile()
+            self._compiled[name] = exe
+            self.memory_report[name] = report = memory_report(exe)
+            logging.info("compiled %s in %.1f s; memory (bytes): %s", name,
+                         time.time() - start, report or "not reported by this backend")
+        return exe(*args)
 
     def _example_batch(self) -> RLBatch:
         return self.pack([], [], [], [], np.zeros(0), np.zeros(0))
@@ -170,29 +204,34 @@ class Learner:
         return batches
 
     def update(self, state: TrainState, groups: Sequence[RolloutGroup]):
-        """Old-policy pass over the whole rollout batch, then one update per minibatch.
+        """Old-policy pass over the whole rollout batch, then one update per minibatch (a
+        batch of one minibatch: one fused update, see the module docstring).
 
         Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
         # Each process transfers only the rows of its own devices (the same on one process).
         batches = [distributed.put_batch(b, self.batch_sharding)
                    for b in self.minibatches(groups)]
-        prepared, metrics = [], []
         kl = self.config.loss.kl_coef > 0
         if kl and self.ref_params is None:
             raise ValueError("loss.kl_coef > 0 needs the reference policy: call "
                              "Learner.set_reference(params) before update")
+        fused = len(batches) == 1  # the only update runs at the old parameters
+        prepared, metrics = [], []
         for b in batches:
-            b, m = self._old_pass(state.params, b)
+            if not fused:
+                b, m = self._old_pass(state.params, b)
+                metrics.append(m)
             if kl:
                 b = self._ref_pass(self.ref_params, b)
             prepared.append(b)
-            metrics.append(m)
         step0 = int(jax.device_get(state.step)) if self.config.train.anchor_coef > 0 else 0
+        name, step_fn = ("fused_step", self._fused_step) if fused else ("train_step",
+                                                                         self._train_step)
         for i, b in enumerate(prepared):
             anchor = self.anchor_batch(step0 + i)
             if anchor is not None:
                 anchor = distributed.put_batch(anchor, self.batch_sharding)
-            state, m = self._train_step(state, b, anchor)
+            state, m = self._run_compiled(name, step_fn, state, b, anchor)
             metrics.append(m)
         merged: dict[str, list] = {}
         for m in jax.device_get(metrics):

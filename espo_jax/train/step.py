@@ -57,10 +57,10 @@ def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: 
     )
 
 
-def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
-    """Old-policy log-probs/entropies (no gradient) and train-inference mismatch metrics."""
-    logp, ent, out = _frozen_pass(params, batch, model_config, replay, chunk_size)
-    logp, ent = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
+def mismatch_metrics(logp, ent, out, batch: RLBatch):
+    """Train-inference mismatch of the old policy's `logp` / `ent` (no gradient) against the
+    engine's behaviour log-probs, and the learner's own live routing `out` would choose (None
+    without MoE layers). Returns (metrics, own_routing)."""
     mask = batch.loss_mask
     delta = jnp.abs(logp - batch.behaviour_logp) * mask
     log_ratio = (batch.behaviour_logp - logp) * mask  # log(pi_sampler / pi_learner)
@@ -76,7 +76,7 @@ def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_
     if out.routed_experts is not None and out.router_logits:
         # The learner's own live top-k (what it would choose without replay).
         k = out.routed_experts.shape[-1]
-        logits_BxTxMxE = jnp.stack(out.router_logits, axis=2)
+        logits_BxTxMxE = jax.lax.stop_gradient(jnp.stack(out.router_logits, axis=2))
         own_routing = jax.lax.top_k(logits_BxTxMxE, k)[1].astype(jnp.int32)
         if batch.routed_experts is not None:
             recorded = batch.routed_experts[..., 0, 0] >= 0  # positions with a recording
@@ -84,6 +84,14 @@ def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_
             metrics["moe/routing_flip_rate"] = jnp.mean(flips)
             for i in range(flips.shape[0]):
                 metrics[f"moe/routing_flip_rate_layer{i}"] = flips[i]
+    return metrics, own_routing
+
+
+def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
+    """Old-policy log-probs/entropies (no gradient) and train-inference mismatch metrics."""
+    logp, ent, out = _frozen_pass(params, batch, model_config, replay, chunk_size)
+    logp, ent = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
+    metrics, own_routing = mismatch_metrics(logp, ent, out, batch)
     return batch.replace(old_logp=logp, old_entropy=ent, old_routed_experts=own_routing), metrics
 
 
@@ -109,15 +117,29 @@ def token_advantages(batch: RLBatch, zvp_alpha: float, negative_scale: float = 1
 
 
 def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_size, zvp_alpha,
-            negative_scale=1.0):
-    routed = {
-        "r3": batch.routed_experts,
-        "r2": batch.old_routed_experts,
-        "off": None,
-    }[replay]
-    logp, _, out = sequence_logprobs(
+            negative_scale=1.0, fused=False):
+    """The configured policy loss of `batch` (plus the MoE aux loss) and its metrics.
+
+    `fused=True` is the first update of a rollout batch, at the parameters that are the old
+    policy: the old log-probs and entropies are this forward's own (without gradient), so the
+    old-policy pass is not run separately, and the mismatch metrics come from this forward. R2
+    then routes live (its old routing is the live one); R3 replays the recordings as always."""
+    if fused:
+        routed = batch.routed_experts if replay == "r3" else None
+    else:
+        routed = {
+            "r3": batch.routed_experts,
+            "r2": batch.old_routed_experts,
+            "off": None,
+        }[replay]
+    logp, ent, out = sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
     )
+    fused_metrics = {}
+    if fused:
+        old_logp, old_ent = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
+        fused_metrics, _ = mismatch_metrics(old_logp, old_ent, out, batch)
+        batch = batch.replace(old_logp=old_logp, old_entropy=old_ent)
     adv = token_advantages(batch, zvp_alpha, negative_scale)
     tis = loss_config.tis != "off"
     kl = loss_config.kl_coef > 0
@@ -131,7 +153,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
         behaviour_logp=batch.behaviour_logp if tis else None,
         ref_logp=batch.ref_logp if kl else None,
     )
-    metrics = dict(metrics)
+    metrics = {**dict(metrics), **fused_metrics}
     metrics["pg/loss"] = loss
     metrics["moe/aux_loss"] = out.aux_loss
     return loss + out.aux_loss, metrics
@@ -176,7 +198,7 @@ def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
     share = w_b * scale  # [n_micro]: metrics are the same weighted means, extremes extremes
 
     def reduce(key, m):
-        if key.endswith("max"):
+        if key.endswith("max") or "/max_" in key:
             return jnp.max(m, axis=0)
         if key.endswith("min"):
             return jnp.min(m, axis=0)
@@ -199,8 +221,10 @@ def rl_train_step(
     n_micro: int,
     negative_scale: float = 1.0,
     anchor_coef: float = 0.0,
+    fused: bool = False,
 ):
-    """One optimiser update on a minibatch that already carries old-policy log-probs.
+    """One optimiser update on a minibatch that already carries old-policy log-probs, or, with
+    `fused`, the first update of a rollout batch computing them itself (see `rl_loss`).
 
     With `anchor_coef` > 0 the update also descends `anchor_coef` times the cross-entropy of
     `anchor_batch` (worked solutions, `sft_loss`): the RL gradient plus a supervised anchor that
@@ -216,6 +240,7 @@ def rl_train_step(
             chunk_size=chunk_size,
             zvp_alpha=zvp_alpha,
             negative_scale=negative_scale,
+            fused=fused,
         )
 
     mode = losses.aggregation_mode(loss_config)

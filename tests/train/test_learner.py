@@ -321,6 +321,36 @@ def test_replay_modes(learner_setup):
         assert f2[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-9), key
 
 
+def test_single_minibatch_update_fuses_the_old_policy_pass(learner_setup):
+    # A rollout batch of one minibatch takes one update at the old parameters, so the update's
+    # own forward supplies the old log-probs: the same loss, gradient and mismatch metrics as
+    # the separate old-policy pass followed by the update, one forward fewer.
+    learner, params, make_state, generated = learner_setup
+    c = learner.config.copy_and_resolve_references()
+    c.train.updates_per_batch = 1
+    state_shardings = jax.tree.map(lambda x: x.sharding, make_state(params))
+    lrn = Learner(c, learner.model_config, learner.mesh, state_shardings)
+    # Contrast in group "a", an all-correct group "b" (RL-ZVP reads the old entropies), and a
+    # behaviour log-prob shift the mismatch metrics must see.
+    groups = _groups(generated, [[1.0, 0.0], [1.0, 1.0]], logp_shift=0.05)
+    batch = jax.device_put(lrn.minibatches(groups)[0], lrn.batch_sharding)
+    batch, m_old = lrn._old_pass(params, batch)
+    _, m_sep = lrn._train_step(make_state(params), batch, None)
+    expected = {k: float(v) for k, v in {**m_old, **m_sep}.items()}
+    state, m = lrn.update(make_state(params), groups)
+    assert int(state.step) == 1 and set(lrn._compiled) == {"fused_step"}
+    for key in ("train/loss", "train/grad_norm", "pg/loss", "mismatch/mean_abs_logp",
+                "mismatch/max_abs_logp", "mismatch/kl_k3", "entropy/mean",
+                "moe/routing_flip_rate"):
+        assert m[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    assert m["mismatch/mean_abs_logp"] == pytest.approx(0.05, abs=1e-4)
+    # XLA's memory report of the compiled update: its arguments hold the train state, at least
+    # parameters plus Adam's two moments in fp32.
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    report = lrn.memory_report["fused_step"]
+    assert report["argument"] >= 3 * 4 * n_params and report["temp"] > 0
+
+
 def _response_logp(model_config, params, group, j):
     """Teacher-forced log-prob of response j of `group` under `params` (fp32, own routing)."""
     from espo_jax.train.step import sequence_logprobs
