@@ -338,6 +338,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1)
         sampling=sampling,
         precision=r.precision,
         max_slots=r.num_slots,
+        steps_per_sync=r.steps_per_sync,
         max_cache_len=r.max_prompt_len + r.max_new_tokens,
         reward_workers=r.reward_workers,
         reward_timeout_s=r.reward_timeout_s,

@@ -144,7 +144,7 @@ def test_fp32_logprobs_and_experts_equal_the_learner(sampled_groups, params):
     assert metrics["moe/routing_flip_rate"] == 0.0
 
 
-def test_samples_do_not_depend_on_slots_or_admission(engine, sampled_groups):
+def test_samples_do_not_depend_on_slots_or_admission(engine, sampled_groups, params):
     predictor = scheduling.LengthPredictor()
     for i in range(5):
         predictor.observe(f"p{i}", [10 - i])  # reverses the admission order
@@ -159,6 +159,15 @@ def test_samples_do_not_depend_on_slots_or_admission(engine, sampled_groups):
         for ra, rb in zip(a.responses, b.responses, strict=True):
             np.testing.assert_array_equal(ra.tokens, rb.tokens)
             np.testing.assert_array_equal(ra.logprobs, rb.logprobs)
+    # Nor on the engine's shape: four times the slots (all 15 samples in one wave) and twice the
+    # decode steps per host sync (slots finish mid-call) draw the same tokens.
+    wider = engine_lib.Engine(CONFIG, params, sampling=SAMPLED, max_slots=4 * SLOTS,
+                              max_cache_len=CACHE, steps_per_sync=2 * SYNC)
+    wide = wider.generate_groups(prompts(5), n_samples=3, rng=jax.random.key(1))
+    for a, b in zip(sampled_groups, wide, strict=True):
+        for ra, rb in zip(a.responses, b.responses, strict=True):
+            np.testing.assert_array_equal(ra.tokens, rb.tokens)
+            np.testing.assert_allclose(ra.logprobs, rb.logprobs, atol=1e-5)
     other = engine.generate_groups(prompts(5), n_samples=3, rng=jax.random.key(2))
     assert not all(
         np.array_equal(a.responses[0].tokens, b.responses[0].tokens)
