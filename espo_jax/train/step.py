@@ -48,12 +48,18 @@ def _masked_mean(x, mask):
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def _frozen_routing(batch: RLBatch, replay: str):
+    """The routing a policy at the rollout's parameters replays: the recorded one under R3,
+    none (its own top-k) otherwise."""
+    return batch.routed_experts if replay == "r3" else None
+
+
 def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: int):
     """`sequence_logprobs` of a policy that is not being trained (the old policy, the KL
-    reference): the recorded routing under R3, its own top-k otherwise."""
-    routed = batch.routed_experts if replay == "r3" else None
+    reference), routed by `_frozen_routing`."""
     return sequence_logprobs(
-        model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
+        model_config, params, batch.tokens, batch.positions, batch.targets,
+        _frozen_routing(batch, replay), chunk_size,
     )
 
 
@@ -124,8 +130,8 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
     policy: the old log-probs and entropies are this forward's own (without gradient), so the
     old-policy pass is not run separately, and the mismatch metrics come from this forward. R2
     then routes live (its old routing is the live one); R3 replays the recordings as always."""
-    if fused:
-        routed = batch.routed_experts if replay == "r3" else None
+    if fused:  # the old policy's own forward, as in the old-policy pass
+        routed = _frozen_routing(batch, replay)
     else:
         routed = {
             "r3": batch.routed_experts,
