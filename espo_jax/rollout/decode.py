@@ -1,9 +1,10 @@
 """The pure, jit-compiled pieces of the rollout engine (`espo_jax.rollout.engine`).
 
-- `prefill_jit(config, params, tokens_1xP, length) -> Prefix`: a prompt through the model into
-  its own KV cache; logits at its last token; its routed experts.
-- `insert_jit(prefix, state, slot, key, slot_sampling) -> DecodeState`: the prefix copied into
-  decode slot `slot`, its first token drawn.
+- `prefill_jit(config, params, tokens_NxP, lengths_N) -> Prefix`: N prompts (one padded length
+  P) through the model into their own KV caches; logits at each last token; routed experts.
+- `insert_jit(prefix, state, slots_R, rows_R, keys_R, slot_sampling) -> DecodeState`: prefix
+  rows copied into decode slots (padding entries: slot >= B), their first tokens drawn; one call
+  admits every sample of an admission round that shares the prefix batch.
 - `generate_jit(config, n_steps, params, state) -> (state, tokens [n_steps, B])`: n decode
   steps of every active slot (a `lax.scan`), recording tokens, log-probs and routed experts.
 
@@ -31,18 +32,18 @@ FREE, ACTIVE, DONE = 0, 1, 2  # slot phases
 
 @flax.struct.dataclass
 class Prefix:
-    """A prefilled prompt: its KV cache [1, P, K, A] per layer (P = padded length)."""
+    """N prefilled prompts of one padded length P: KV cache [N, P, K, A] per layer."""
 
     cache: dict
-    length: jax.Array  # int32 [], true prompt length
-    tokens_P: jax.Array  # int32 [P]
-    logits_V: jax.Array  # float32 [V] at the last prompt token
-    experts_PxMxk: jax.Array  # int16, -1 at padding
+    lengths_N: jax.Array  # int32, true prompt lengths
+    tokens_NxP: jax.Array  # int32
+    logits_NxV: jax.Array  # float32 at each prompt's last token
+    experts_NxPxMxk: jax.Array  # int16, -1 at padding
 
 
 @flax.struct.dataclass
 class SlotSampling:
-    """A `SamplingConfig` as arrays, for `insert`."""
+    """`SamplingConfig`s as arrays for `insert`: one entry per inserted row ([R], stop [R, N])."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -91,63 +92,70 @@ def engine_params(params: dict, config: ModelConfig, precision: str) -> tuple[di
 
 
 # ---- pure, jit-compiled pieces ------------------------------------------------------------------
-def _prefill(config: ModelConfig, params: dict, tokens_1xP: jax.Array, length: jax.Array):
-    p = tokens_1xP.shape[1]
-    valid_1xP = jnp.arange(p)[None] < length
+def _prefill(config: ModelConfig, params: dict, tokens_NxP: jax.Array, lengths_N: jax.Array):
+    n, p = tokens_NxP.shape
+    valid_NxP = jnp.arange(p)[None] < lengths_N[:, None]
     out = models.forward(
         config,
         params,
-        tokens_1xP,
-        attention_mask_BxT=valid_1xP,
-        cache=models.init_cache(config, 1, p),
-        cache_mask_BxS=jnp.zeros((1, p), bool),
+        tokens_NxP,
+        attention_mask_BxT=valid_NxP,
+        cache=models.init_cache(config, n, p),
+        cache_mask_BxS=jnp.zeros((n, p), bool),
         return_logits=False,
         return_hidden=True,
     )
-    h_D = jax.lax.dynamic_index_in_dim(out.hidden[0], length - 1, keepdims=False)
-    logits_V = jnp.dot(h_D.astype(config.dtype), models.lm_head_kernel(config, params))
-    experts = jnp.where(valid_1xP[0, :, None, None], out.routed_experts[0], -1)
+    last_N = jnp.maximum(lengths_N - 1, 0)
+    h_NxD = jnp.take_along_axis(out.hidden, last_N[:, None, None], axis=1)[:, 0]
+    logits_NxV = jnp.dot(h_NxD.astype(config.dtype), models.lm_head_kernel(config, params))
+    experts = jnp.where(valid_NxP[:, :, None, None], out.routed_experts, -1)
     return Prefix(
-        out.cache, length, tokens_1xP[0], logits_V.astype(jnp.float32), experts.astype(jnp.int16)
+        out.cache, lengths_N, tokens_NxP, logits_NxV.astype(jnp.float32),
+        experts.astype(jnp.int16),
     )
 
 
-def _insert(prefix: Prefix, state: DecodeState, slot, key, sp: SlotSampling):
-    p, s = prefix.tokens_P.shape[0], state.tokens_BxS.shape[1]
-    n = prefix.length
+def _insert(prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R, sp: SlotSampling):
+    """Row rows_R[r] of `prefix` into slot slots_R[r]; entries with slots_R[r] >= B (padding)
+    write nothing. Slots must be distinct."""
+    p, s = prefix.tokens_NxP.shape[1], state.tokens_BxS.shape[1]
+    r = slots_R.shape[0]
+    n_R = prefix.lengths_N[rows_R]
     cache = jax.tree.map(
-        lambda c, new: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (slot, 0, 0, 0)),
+        lambda c, new: c.at[slots_R, :p].set(new[rows_R].astype(c.dtype), mode="drop"),
         state.cache,
         prefix.cache,
     )
-    tok, lp = sample(
-        prefix.logits_V[None],
-        jax.random.fold_in(key, 0)[None],
-        sp.temperature[None],
-        sp.top_k[None],
-        sp.top_p[None],
+    tok_R, lp_R = sample(
+        prefix.logits_NxV[rows_R],
+        jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, 0),
+        sp.temperature,
+        sp.top_k,
+        sp.top_p,
     )
-    in_prompt_P = jnp.arange(p) < n
-    tokens_S = jnp.zeros(s, jnp.int32).at[:p].set(jnp.where(in_prompt_P, prefix.tokens_P, 0))
-    experts = (
-        jnp.full(state.experts_BxSxMxk.shape[1:], -1, jnp.int16).at[:p].set(prefix.experts_PxMxk)
-    )
-    done = jnp.any(tok[0] == sp.stop_N) | (sp.max_new <= 1)
+    in_prompt_RxP = jnp.arange(p)[None] < n_R[:, None]
+    rows = jnp.arange(r)
+    tokens_RxS = jnp.zeros((r, s), jnp.int32).at[:, :p].set(
+        jnp.where(in_prompt_RxP, prefix.tokens_NxP[rows_R], 0))
+    experts = jnp.full((r, *state.experts_BxSxMxk.shape[1:]), -1, jnp.int16).at[:, :p].set(
+        prefix.experts_NxPxMxk[rows_R])
+    done_R = jnp.any(tok_R[:, None] == sp.stop_N, axis=-1) | (sp.max_new <= 1)
+    put = lambda x, v: x.at[slots_R].set(v, mode="drop")
     return state.replace(
         cache=cache,
-        cache_mask_BxS=state.cache_mask_BxS.at[slot].set(jnp.arange(s) < n),
-        tokens_BxS=state.tokens_BxS.at[slot].set(tokens_S.at[n].set(tok[0])),
-        logprobs_BxS=state.logprobs_BxS.at[slot].set(jnp.zeros(s).at[n].set(lp[0])),
-        experts_BxSxMxk=state.experts_BxSxMxk.at[slot].set(experts),
-        pos_B=state.pos_B.at[slot].set(n),
-        prompt_len_B=state.prompt_len_B.at[slot].set(n),
-        phase_B=state.phase_B.at[slot].set(jnp.where(done, DONE, ACTIVE)),
-        keys_B=state.keys_B.at[slot].set(key),
-        temperature_B=state.temperature_B.at[slot].set(sp.temperature),
-        top_k_B=state.top_k_B.at[slot].set(sp.top_k),
-        top_p_B=state.top_p_B.at[slot].set(sp.top_p),
-        max_new_B=state.max_new_B.at[slot].set(sp.max_new),
-        stop_BxN=state.stop_BxN.at[slot].set(sp.stop_N),
+        cache_mask_BxS=put(state.cache_mask_BxS, jnp.arange(s)[None] < n_R[:, None]),
+        tokens_BxS=put(state.tokens_BxS, tokens_RxS.at[rows, n_R].set(tok_R)),
+        logprobs_BxS=put(state.logprobs_BxS, jnp.zeros((r, s)).at[rows, n_R].set(lp_R)),
+        experts_BxSxMxk=put(state.experts_BxSxMxk, experts),
+        pos_B=put(state.pos_B, n_R),
+        prompt_len_B=put(state.prompt_len_B, n_R),
+        phase_B=put(state.phase_B, jnp.where(done_R, DONE, ACTIVE)),
+        keys_B=put(state.keys_B, keys_R),
+        temperature_B=put(state.temperature_B, sp.temperature),
+        top_k_B=put(state.top_k_B, sp.top_k),
+        top_p_B=put(state.top_p_B, sp.top_p),
+        max_new_B=put(state.max_new_B, sp.max_new),
+        stop_BxN=put(state.stop_BxN, sp.stop_N),
     )
 
 

@@ -5,7 +5,11 @@ Shaped like JetStream's `Engine`: `prefill(params, prompt_tokens) -> Prefix` run
 (and draws the first token); `generate(params, decode_state) -> (decode_state, tokens)` advances
 every active slot by `steps_per_sync` tokens in one jit-compiled call with static shapes
 ([max_slots, max_cache_len]). `generate_groups` drives them with continuous batching: a slot that
-finishes takes the next sample at once; the G samples of a prompt share one prefill.
+finishes takes the next sample at once; the G samples of a prompt share one prefill. It prefills
+`prefill_rows` prompts per call (`prefill_many`; blocks fixed by the request list), inserts every
+sample admitted at a sync that shares a prefix block in one call (`insert_many`), and reads all
+slots finished at a sync in one transfer: per-prompt / per-slot calls cost 6.5 / 1 / 1.4 ms each
+on the 2-core CPU, 40% of a 1024-sample run (13.5 s -> 8.6 s).
 
 What is recorded, per response: the sampled tokens; the log-prob of each under the distribution
 it was drawn from (see `espo_jax.rollout.sampling`); and the experts every MoE layer routed each
@@ -101,10 +105,12 @@ class Engine:
         steps_per_sync: int = 4,
         min_prefill_len: int = 16,
         max_stop_tokens: int = 8,
+        prefill_rows: int = 16,
     ):
-        if max_slots < 1 or steps_per_sync < 1:
+        if min(max_slots, steps_per_sync, prefill_rows) < 1:
             raise ValueError(
-                f"max_slots ({max_slots}) and steps_per_sync ({steps_per_sync}) must be >= 1"
+                f"max_slots ({max_slots}), steps_per_sync ({steps_per_sync}) and prefill_rows "
+                f"({prefill_rows}) must be >= 1"
             )
         if max_cache_len < 2:
             raise ValueError(f"max_cache_len must be >= 2, got {max_cache_len}")
@@ -116,6 +122,7 @@ class Engine:
         self.max_slots, self.max_cache_len = max_slots, max_cache_len
         self.slot_sampling(sampling)  # validates it against this engine
         self.steps_per_sync, self.min_prefill_len = steps_per_sync, min_prefill_len
+        self.prefill_rows = prefill_rows  # prompts per prefill call (a fixed shape)
         self.params: dict | None = None
         self.last_stats: dict[str, float] = {}
         self._stop = threading.Event()
@@ -146,11 +153,21 @@ class Engine:
         return min(self.max_cache_len, max(self.min_prefill_len, 1 << max(0, n - 1).bit_length()))
 
     def prefill(self, params: dict, prompt_tokens: Sequence[int]) -> Prefix:
-        n = len(prompt_tokens)
-        p = self.prefill_len(n)
-        tokens = np.zeros((1, p), np.int32)
-        tokens[0, :n] = prompt_tokens
-        return prefill_jit(self.config, params, jnp.asarray(tokens), jnp.int32(n))
+        """One prompt: a `Prefix` of one row."""
+        return self.prefill_many(params, [prompt_tokens], rows=1)
+
+    def prefill_many(self, params: dict, prompts: Sequence[Sequence[int]], rows: int) -> Prefix:
+        """Prompts of one padded length in one call, as `rows` rows (extra rows are padding:
+        a fixed row count compiles once per padded length)."""
+        p = self.prefill_len(max(len(t) for t in prompts))
+        if len(prompts) > rows or any(self.prefill_len(len(t)) != p for t in prompts):
+            raise ValueError(f"prefill_many takes at most {rows} prompts of one padded length")
+        tokens = np.zeros((rows, p), np.int32)
+        lengths = np.ones((rows,), np.int32)
+        for r, t in enumerate(prompts):
+            tokens[r, : len(t)] = t
+            lengths[r] = len(t)
+        return prefill_jit(self.config, params, jnp.asarray(tokens), jnp.asarray(lengths))
 
     def init_decode_state(self) -> DecodeState:
         c, b, s = self.config, self.max_slots, self.max_cache_len
@@ -174,7 +191,7 @@ class Engine:
         )
 
     def slot_sampling(self, sampling: SamplingConfig) -> SlotSampling:
-        """`sampling` as the arrays `insert` takes; checks it fits this engine."""
+        """`sampling` as the (host) arrays `insert` takes; checks it fits this engine."""
         if sampling.max_new_tokens >= self.max_cache_len:
             raise ValueError(
                 f"max_new_tokens ({sampling.max_new_tokens}) must be < max_cache_len "
@@ -188,11 +205,11 @@ class Engine:
         stop = np.full((self.max_stop_tokens,), -1, np.int32)
         stop[: len(sampling.stop_tokens)] = sampling.stop_tokens
         return SlotSampling(
-            jnp.float32(sampling.temperature),
-            jnp.int32(sampling.top_k),
-            jnp.float32(sampling.top_p),
-            jnp.int32(sampling.max_new_tokens),
-            jnp.asarray(stop),
+            np.float32(sampling.temperature),
+            np.int32(sampling.top_k),
+            np.float32(sampling.top_p),
+            np.int32(sampling.max_new_tokens),
+            stop,
         )
 
     def insert(
@@ -203,13 +220,27 @@ class Engine:
         key: jax.Array,
         sampling: SamplingConfig | SlotSampling | None = None,
     ) -> DecodeState:
-        """Starts a sample of `prefix` in `slot` (drawing its first token with `key`)."""
+        """Starts a sample of `prefix` (its first row) in `slot`, drawing its first token with
+        `key`."""
         sp = (
             sampling
             if isinstance(sampling, SlotSampling)
             else self.slot_sampling(sampling or self.sampling)
         )
-        return insert_jit(prefix, decode_state, jnp.int32(slot), key, sp)
+        return self.insert_many(prefix, decode_state, [(slot, 0, key, sp)], pad_to=1)
+
+    def insert_many(self, prefix: Prefix, decode_state: DecodeState, entries, pad_to: int
+                    ) -> DecodeState:
+        """One call for `entries` = [(slot, prefix row, key, SlotSampling)], padded to `pad_to`
+        entries (a fixed count compiles once per prefix shape)."""
+        pad = pad_to - len(entries)
+        slots = np.array([e[0] for e in entries] + [self.max_slots] * pad, np.int32)
+        rows = np.array([e[1] for e in entries] + [0] * pad, np.int32)
+        keys = jnp.stack([e[2] for e in entries] + [entries[0][2]] * pad)
+        sps = [e[3] for e in entries] + [entries[0][3]] * pad
+        sp = SlotSampling(*(np.stack([np.asarray(getattr(x, f.name)) for x in sps])
+                            for f in dataclasses.fields(SlotSampling)))
+        return insert_jit(prefix, decode_state, jnp.asarray(slots), jnp.asarray(rows), keys, sp)
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """`steps_per_sync` decode steps; tokens [steps, B] sampled (-1 where a slot was idle)."""
@@ -235,24 +266,51 @@ class Engine:
                     f"[0, {self.config.vocab_size})"
                 )
 
-    def _collect(self, state: DecodeState, slot: int, stop_tokens) -> tuple[Generation, int]:
-        pos, n = (int(x) for x in jax.device_get((state.pos_B[slot], state.prompt_len_B[slot])))
-        tokens, logprobs, experts = jax.device_get(
-            (
-                state.tokens_BxS[slot, n : pos + 1],
-                state.logprobs_BxS[slot, n : pos + 1],
-                state.experts_BxSxMxk[slot, : pos + 1],
-            )
-        )
+    @staticmethod
+    def _collect(host: tuple, slot: int, stop_tokens) -> tuple[Generation, int]:
+        """Slot `slot`'s response from `host` = device_get((pos_B, prompt_len_B, tokens_BxS,
+        logprobs_BxS, experts_BxSxMxk)), one transfer for every slot finished at a sync."""
+        pos_B, prompt_len_B, tokens_BxS, logprobs_BxS, experts = host
+        pos, n = int(pos_B[slot]), int(prompt_len_B[slot])
+        tokens = tokens_BxS[slot, n : pos + 1]
         stopped = int(tokens[-1]) in stop_tokens
-        routed = np.asarray(experts, np.int16) if self.config.n_moe_layers else None
         gen = Generation(
-            np.asarray(tokens, np.int32),
-            np.asarray(logprobs, np.float32),
-            routed,
+            np.array(tokens, np.int32),
+            np.array(logprobs_BxS[slot, n : pos + 1], np.float32),
+            np.array(experts[slot, : pos + 1], np.int16) if experts.shape[2] else None,
             "stop" if stopped else "length",
         )
         return gen, len(tokens)
+
+    def _prefill_blocks(self, requests: Sequence[Request]) -> list[list[int]]:
+        """The request list cut into prefill calls: requests of one padded length, in index
+        order, `prefill_rows` at a time. A prompt's prefix depends on its block (batched float
+        sums), so blocks are fixed by the request list alone, never by admission timing."""
+        by_len: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_len.setdefault(self.prefill_len(len(r.tokens)), []).append(i)
+        return [idx[c : c + self.prefill_rows] for _, idx in sorted(by_len.items())
+                for c in range(0, len(idx), self.prefill_rows)]
+
+    def _admit(self, params, state, requests, rng, sps, blocks, prefixes, admitted):
+        """Starts `admitted` = [(slot, request, sample)]: prefills the blocks of requests not
+        yet prefilled, then inserts one call per prefix block."""
+        for i in sorted({i for _, i, _ in admitted}):
+            if i in prefixes:
+                continue
+            block = blocks[i]
+            prefix = self.prefill_many(params, [requests[j].tokens for j in block],
+                                       rows=self.prefill_rows)
+            prefixes.update({j: (prefix, row) for row, j in enumerate(block)})
+        calls: dict[int, tuple[Prefix, list]] = {}
+        for slot, i, g in admitted:
+            prefix, row = prefixes[i]
+            seed = i if requests[i].seed is None else requests[i].seed
+            calls.setdefault(id(prefix), (prefix, []))[1].append(
+                (slot, row, request_key(rng, seed, g), sps[i]))
+        for prefix, entries in calls.values():
+            state = self.insert_many(prefix, state, entries, pad_to=self.max_slots)
+        return state
 
     def generate_groups(
         self,
@@ -303,7 +361,8 @@ class Engine:
         start = time.perf_counter()
         state = self.init_decode_state()
         owner: list[tuple[int, int] | None] = [None] * self.max_slots
-        prefixes: dict[int, Prefix] = {}
+        blocks = {i: block for block in self._prefill_blocks(requests) for i in block}
+        prefixes: dict[int, tuple[Prefix, int]] = {}
         pending: dict[int, dict[int, Generation]] = {}
         groups: dict[int, GenerationGroup] = {}
         syncs = generated = 0
@@ -312,23 +371,23 @@ class Engine:
             if self._stop.is_set() or (stop is not None and stop()):
                 stopped = True
                 break
+            admitted = []
             for slot in range(self.max_slots):
                 if owner[slot] is None and queue:
-                    i, g = queue.pop()
-                    r = requests[i]
-                    if i not in prefixes:
-                        prefixes[i] = self.prefill(params, r.tokens)
-                    seed = i if r.seed is None else r.seed
-                    state = self.insert(prefixes[i], state, slot, request_key(rng, seed, g), sps[i])
-                    owner[slot] = (i, g)
+                    owner[slot] = queue.pop()
+                    admitted.append(slot)
+            if admitted:
+                state = self._admit(params, state, requests, rng, sps, blocks, prefixes,
+                                    [(slot, *owner[slot]) for slot in admitted])
             state, _ = self.generate(params, state)
             syncs += 1
             phase = np.asarray(state.phase_B)
-            for slot in np.flatnonzero(phase == DONE):
-                if owner[slot] is None:
-                    continue
+            finished = [slot for slot in np.flatnonzero(phase == DONE) if owner[slot] is not None]
+            host = jax.device_get((state.pos_B, state.prompt_len_B, state.tokens_BxS,
+                                   state.logprobs_BxS, state.experts_BxSxMxk)) if finished else None
+            for slot in finished:
                 (i, g), owner[slot] = owner[slot], None
-                gen, n = self._collect(state, slot, sampling.stop_tokens)
+                gen, n = self._collect(host, slot, sampling.stop_tokens)
                 generated += n
                 pending.setdefault(i, {})[g] = gen
                 want = requests[i].n_samples or n_samples
