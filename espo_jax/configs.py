@@ -71,6 +71,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.steps_per_sync = 8  # decode steps per jitted call between host syncs (a
     # sample's tokens do not depend on it; 8 vs 4: 2x on max-length samples of a random
     # model, 1.3-1.45 -> 1.2 s per rollout step on arith_espo, whose samples end at ~28 tokens)
+    c.rollout.prefill_rows = 16  # prompts per prefill call (one padded length; 1 vs 16: README)
     c.rollout.reward_workers = 2  # reward pool workers (overlapped with decoding)
     c.rollout.reward_timeout_s = 5.0
 
@@ -154,8 +155,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     _choice(errors, config, "train.replay", REPLAY_MODES)
     for key in (
         "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
-        "rollout.num_slots", "rollout.steps_per_sync", "train.updates_per_batch",
-        "train.micro_batches",
+        "rollout.num_slots", "rollout.steps_per_sync", "rollout.prefill_rows",
+        "train.updates_per_batch", "train.micro_batches",
         "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
     ):
         section, name = key.split(".")

@@ -15,6 +15,8 @@ On one model (`small`; `tiny` with --quick) and one set of prompts:
    pool; (c) in the pool while decoding goes on.
 4. Precision: fp32 / FP8 (and bf16) engine log-probs against the fp32 learner, without and with
    router replay: mean and max |delta logp|, the k3 KL estimate and routing flips.
+5. Prefill batching: one prompt per prefill call (`prefill_rows=1`) against 16, on many short
+   requests (RL on short problems: the per-call cost of prefill is then a large share).
 """
 
 from __future__ import annotations
@@ -209,6 +211,26 @@ def overlap(engine, config, n_prompts, n_samples, new_tokens, repeats, workers=4
     }
 
 
+def prefill_batching(config, params, n_prompts, n_samples, new_tokens, slots, repeats) -> dict:
+    """Wall seconds (medians, timed alternately) of the same requests with `prefill_rows` 1 and
+    16: prompts of 6-20 tokens, `new_tokens` each."""
+    rng = np.random.default_rng(2)
+    reqs = [Request(f"q{i}", _prompts(1, int(n), config.vocab_size, seed=i)[0])
+            for i, n in enumerate(rng.integers(6, 21, n_prompts))]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+    engines = {rows: Engine(config, params, sampling=sampling, max_slots=slots,
+                            max_cache_len=32 + new_tokens, steps_per_sync=8, prefill_rows=rows)
+               for rows in (1, 16)}
+    runs = {
+        rows: lambda e=e: e.generate_groups(reqs, n_samples=n_samples, rng=jax.random.key(0))
+        for rows, e in engines.items()
+    }
+    for fn in runs.values():
+        fn()  # compiles
+    wall = interleaved_medians(runs, repeats)
+    return {f"prefill_rows={k}": v for k, v in wall.items()}
+
+
 def _scale_experts(params: dict, factor: float) -> dict:
     return {
         name: (
@@ -297,6 +319,9 @@ def run(quick: bool) -> dict:
     m = precision_gap(
         config, params, engines, 8 if quick else 32, 2 if quick else 4, 16 if quick else 48
     )
+    n_pf = 64 if quick else 256
+    pf = prefill_batching(config, params, n_pf, 2, 8, 32 if quick else 128,
+                          repeats=1 if quick else 3)
 
     print(
         f"\n### Engine throughput ({preset}, batch {slots}, prompt 16, {new} new tokens, "
@@ -355,8 +380,13 @@ def run(quick: bool) -> dict:
             ],
         )
     )
+    print(f"\n### Prefill batching ({n_pf} prompts of 6-20 tokens x 2 samples, 8 new tokens)\n")
+    base = pf["prefill_rows=1"]
+    print(format_table(["prefill", "wall s", "vs one prompt per call"],
+                       [[k, v, base / v] for k, v in pf.items()]))
     return {
         "preset": preset,
+        "prefill_batching_s": pf,
         "throughput": t,
         "admission": a,
         "reward_overlap_s": o,

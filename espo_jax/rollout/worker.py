@@ -54,6 +54,7 @@ class WorkerConfig:
     max_slots: int = 8
     max_cache_len: int = 256
     steps_per_sync: int = 4
+    prefill_rows: int = 16
     admission: str = "longest_first"  # or "fifo"
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
@@ -140,6 +141,7 @@ class RolloutWorker:
                     max_cache_len=c.max_cache_len,
                     precision=c.precision,
                     steps_per_sync=c.steps_per_sync,
+                    prefill_rows=c.prefill_rows,
                 )
                 if self._stop.is_set():
                     self.engine.request_stop()
@@ -339,6 +341,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1)
         precision=r.precision,
         max_slots=r.num_slots,
         steps_per_sync=r.steps_per_sync,
+        prefill_rows=r.prefill_rows,
         max_cache_len=r.max_prompt_len + r.max_new_tokens,
         reward_workers=r.reward_workers,
         reward_timeout_s=r.reward_timeout_s,

@@ -43,7 +43,7 @@ def _engine(setup, precision: str) -> Engine:
         max_new_tokens=c.max_new_tokens, stop_tokens=(setup.tokenizer.eos_id,),
     )
     return Engine(setup.model_config, sampling=sampling, max_slots=c.num_slots,
-                  steps_per_sync=c.steps_per_sync,
+                  steps_per_sync=c.steps_per_sync, prefill_rows=c.prefill_rows,
                   max_cache_len=c.max_prompt_len + c.max_new_tokens, precision=precision)
 
 

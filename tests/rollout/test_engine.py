@@ -13,6 +13,7 @@ import pytest
 from espo_jax import models
 from espo_jax.rollout import engine as engine_lib
 from espo_jax.rollout import mismatch, scheduling
+from espo_jax.rollout.decode import FREE
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.sampling import sample as sample_eager
 from espo_jax.rollout.sampling import truncated_logits as truncated_eager
@@ -125,6 +126,35 @@ def test_cached_decode_logits_equal_recomputed(engine, params):
         seq = np.asarray(state.tokens_BxS)[slot, : pos[slot] + 1]
         full, _ = full_forward(params, seq[:1], seq[1:])
         np.testing.assert_allclose(cached[slot, 0], full[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_batched_prefill_and_insert_equal_one_prompt_at_a_time(engine):
+    """`prefill_many` rows match single-prompt prefills; one `insert_many` call puts each row in
+    its slot exactly as one call per slot does, and its padding entries write nothing."""
+    reqs = [r for r in prompts(6) if engine.prefill_len(len(r.tokens)) == 16][:3]
+    assert len(reqs) == 3
+    block = engine.prefill_many(engine.params, [r.tokens for r in reqs], rows=4)
+    for row, r in enumerate(reqs):
+        single = engine.prefill(engine.params, r.tokens)
+        np.testing.assert_allclose(block.logits_NxV[row], single.logits_NxV[0], atol=1e-5)
+        np.testing.assert_array_equal(block.experts_NxPxMxk[row], single.experts_NxPxMxk[0])
+    sp = engine.slot_sampling(SAMPLED)
+    entries = [(2, 0, jax.random.key(7), sp), (0, 2, jax.random.key(8), sp),
+               (3, 1, jax.random.key(9), sp)]
+    together = engine.insert_many(block, engine.init_decode_state(), entries, pad_to=SLOTS)
+    apart = engine.init_decode_state()
+    for e in entries:
+        apart = engine.insert_many(block, apart, [e], pad_to=SLOTS)
+    for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(apart), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+    phase = np.asarray(together.phase_B)
+    assert phase[1] == FREE and (phase[[0, 2, 3]] != FREE).all()
+    assert np.asarray(together.prompt_len_B).tolist() == [len(reqs[2].tokens), 0,
+                                                          len(reqs[0].tokens), len(reqs[1].tokens)]
+    with pytest.raises(ValueError, match="one padded length"):
+        engine.prefill_many(engine.params, [[1] * 3, [1] * 20], rows=4)
 
 
 def test_fp32_logprobs_and_experts_equal_the_learner(sampled_groups, params):
