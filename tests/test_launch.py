@@ -32,6 +32,10 @@ def test_async_local_runs_and_ends_cleanly(tmp_path):
     # Every group trained on was sampled at most MAX_STALENESS policy versions before the
     # update that used it; older ones were dropped by the reader (and counted).
     assert max(r["async/staleness_max"] for r in rl) <= MAX_STALENESS
+    for r in rl:  # the step's time, split into waiting for groups, the update and publishing
+        parts = r["time/wait_s"] + r["time/update_s"] + r["time/publish_s"]
+        assert min(r["time/wait_s"], r["time/publish_s"]) >= 0 and r["time/update_s"] > 0
+        assert abs(parts - r["time/step_s"]) < 1e-3
     versions = sorted(os.listdir(workdir / "weights"))
     assert versions[-1] == "v00000003"  # the learner published after each update
     leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)

@@ -118,15 +118,20 @@ class AsyncRun(Run):
                 zmetrics.update(online.metrics(result))
                 groups = rewarded_groups(result.batch)
                 lags = [step - g.policy_version for g in groups]
+                t_update = time.time()
                 state, lmetrics = learner.update(state, groups)
+                t_publish = time.time()
                 step += 1
                 self._publish(publish_dir, step, state.params)
+                t_done = time.time()
                 self.record_step(meta, step, zmetrics, lmetrics)
                 metrics = {**zmetrics, **lmetrics, **rollout_metrics(groups),
                            "async/staleness_max": float(max(lags, default=0)),
                            "async/staleness_mean": float(np.mean(lags)) if lags else 0.0,
                            "async/stale_dropped": float(reader.stats["stale_dropped"]),
-                           "time/step_s": time.time() - t_step}
+                           # waiting for the workers' groups / the update / publishing weights
+                           "time/wait_s": t_update - t_step, "time/update_s": t_publish - t_update,
+                           "time/publish_s": t_done - t_publish, "time/step_s": t_done - t_step}
                 self.logger.write(step, metrics, phase="rl")
                 logging.info("async RL step %d/%d: rollout acc %.3f, staleness <= %d, %.1f s",
                              step, c.train.steps, metrics["rollout/accuracy"],
