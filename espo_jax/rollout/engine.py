@@ -234,6 +234,8 @@ class Engine:
         """One call for `entries` = [(slot, prefix row, key, SlotSampling)], padded to `pad_to`
         entries (a fixed count compiles once per prefix shape)."""
         pad = pad_to - len(entries)
+        if not entries or pad < 0:
+            raise ValueError(f"insert_many takes 1..{pad_to} entries, got {len(entries)}")
         slots = np.array([e[0] for e in entries] + [self.max_slots] * pad, np.int32)
         rows = np.array([e[1] for e in entries] + [0] * pad, np.int32)
         keys = jnp.stack([e[2] for e in entries] + [entries[0][2]] * pad)

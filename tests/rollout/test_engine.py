@@ -155,6 +155,8 @@ def test_batched_prefill_and_insert_equal_one_prompt_at_a_time(engine):
                                                           len(reqs[0].tokens), len(reqs[1].tokens)]
     with pytest.raises(ValueError, match="one padded length"):
         engine.prefill_many(engine.params, [[1] * 3, [1] * 20], rows=4)
+    with pytest.raises(ValueError, match="takes 1..1 entries, got 3"):
+        engine.insert_many(block, apart, entries, pad_to=1)
 
 
 def test_fp32_logprobs_and_experts_equal_the_learner(sampled_groups, params):
