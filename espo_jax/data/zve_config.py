@@ -50,6 +50,7 @@ def default_zve_config() -> ml_collections.ConfigDict:
     c.zvp = ml_collections.ConfigDict()  # stage 3 (applied by the learner's advantages)
     c.zvp.enabled = False  # RL-ZVP advantages (espo_jax.rl.advantages.rl_zvp) for ZV groups
     c.zvp.alpha = 0.1  # scale of the entropy-guided advantage of a zero-variance group
+    c.zvp.wrong_groups = True  # all-wrong groups too (the paper); False: only all-correct ones
 
     c.online_filter = ml_collections.ConfigDict()  # stage 4
     c.online_filter.enabled = False  # drop zero-variance groups (binary outcome) and refill

@@ -1,4 +1,8 @@
-"""Held-out evaluation: greedy accuracy (overall and per level) and pass@k."""
+"""Held-out evaluation: greedy accuracy, and with `pass_k` pass@k and the mean accuracy of the
+k samples (pass@1 at temperature 1), overall and per level.
+
+Per level, the gap between pass@k and greedy accuracy is the headroom RL can reach by sharpening
+the policy; a level with pass@k near 0 gives RL no reward contrast to learn from."""
 
 from __future__ import annotations
 
@@ -22,25 +26,37 @@ def evaluate(
     rng: jax.Array | None = None,
 ) -> dict[str, float]:
     """Greedy accuracy of the engine's loaded weights on `prompts` (each with `tokens`,
-    `answer`, `level`), per level as `eval/accuracy_level{n}`, and pass@k (k samples at
-    temperature 1: solved if any is right) when `pass_k` > 0."""
+    `answer`, `level`), per level as `eval/accuracy_level{n}`; when `pass_k` > 0 also pass@k
+    (k samples at temperature 1: solved if any is right) and the samples' mean accuracy
+    (`eval/sample_accuracy`), each overall and per level."""
     requests = [Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"])) for p in prompts]
     greedy = dataclasses.replace(engine.sampling, temperature=0.0, top_k=0, top_p=1.0)
     groups = engine.generate_groups(requests, n_samples=1, sampling=greedy, rng=rng)
     correct = np.array([verify(decode(g.responses[0].tokens), p["answer"])
                         for g, p in zip(groups, prompts, strict=True)])
     metrics = {"eval/accuracy": float(correct.mean()) if len(correct) else 0.0}
-    by_level = defaultdict(list)
-    for ok, p in zip(correct, prompts, strict=True):
-        by_level[int(p.get("level", 0))].append(ok)
-    for level, oks in sorted(by_level.items()):
-        metrics[f"eval/accuracy_level{level}"] = float(np.mean(oks))
+    levels = [int(p.get("level", 0)) for p in prompts]
+    metrics.update(_per_level("eval/accuracy", correct, levels, overall=False))
     metrics["eval/mean_response_len"] = float(np.mean([len(g.responses[0].tokens) for g in groups]))
     if pass_k > 0:
         sampled = dataclasses.replace(engine.sampling, temperature=1.0, top_k=0, top_p=1.0)
         groups = engine.generate_groups(requests, n_samples=pass_k, sampling=sampled,
                                         rng=rng)
-        solved = [any(verify(decode(r.tokens), p["answer"]) for r in g.responses)
-                  for g, p in zip(groups, prompts, strict=True)]
-        metrics["eval/pass_at_k"] = float(np.mean(solved)) if solved else 0.0
+        right = np.array([[verify(decode(r.tokens), p["answer"]) for r in g.responses]
+                          for g, p in zip(groups, prompts, strict=True)], bool).reshape(-1, pass_k)
+        metrics.update(_per_level("eval/pass_at_k", right.any(axis=1), levels))
+        metrics.update(_per_level("eval/sample_accuracy", right.mean(axis=1), levels))
     return metrics
+
+
+def _per_level(name: str, values: np.ndarray, levels: Sequence[int], overall: bool = True
+               ) -> dict[str, float]:
+    """`name` (the mean of `values`, when `overall`) and `{name}_level{n}` per level."""
+    values = np.asarray(values, np.float64)
+    out = {name: float(values.mean()) if len(values) else 0.0} if overall else {}
+    by_level = defaultdict(list)
+    for v, level in zip(values, levels, strict=True):
+        by_level[level].append(v)
+    for level, vs in sorted(by_level.items()):
+        out[f"{name}_level{level}"] = float(np.mean(vs))
+    return out

@@ -35,7 +35,7 @@ BATCH_AXES = ("data", "fsdp")
 
 
 def group_advantages(
-    groups: Sequence[RolloutGroup], name: str, use_zvp: bool
+    groups: Sequence[RolloutGroup], name: str, use_zvp: bool, zvp_wrong: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per response (groups concatenated): advantages and the RL-ZVP sign (+1 all-correct,
     -1 all-wrong zero-variance group, 0 otherwise). Rewards must be set (scored groups)."""
@@ -47,6 +47,8 @@ def group_advantages(
         advs.append(adv)
         zero_var = rewards.max() == rewards.min() and outcomes.all() == outcomes.any()
         sign = (1.0 if outcomes.all() else -1.0) if (use_zvp and zero_var) else 0.0
+        if sign < 0 and not zvp_wrong:
+            sign = 0.0  # an all-wrong group keeps its (zero) group advantage
         signs.append(np.full(len(rewards), sign, np.float32))
     if not advs:
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
@@ -184,7 +186,8 @@ class Learner:
     def minibatches(self, groups: Sequence[RolloutGroup]) -> list[RLBatch]:
         """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`."""
         adv, signs = group_advantages(
-            groups, self.config.advantage.name, self.config.zve.zvp.enabled
+            groups, self.config.advantage.name, self.config.zve.zvp.enabled,
+            self.config.zve.zvp.wrong_groups,
         )
         flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
         batches = []

@@ -279,6 +279,28 @@ def test_fp8_with_replay_reduces_the_gap(params):
     assert at_flips > 3.0
 
 
+def test_fp8_dequantised_once_samples_what_fp8_storage_samples(params):
+    """Dequantising the E4M3 weights once per load (the default) must not change a sample:
+    same tokens, log-probs and routing as dequantising them in every forward."""
+    learner = scale_experts(params, 4.0)
+    kw = dict(sampling=SAMPLED, max_slots=SLOTS, max_cache_len=CACHE, steps_per_sync=SYNC,
+              precision="fp8")
+    once = engine_lib.Engine(CONFIG, learner, **kw)
+    stored = engine_lib.Engine(CONFIG, learner, fp8_storage=True, **kw)
+    kernel = once.params["layers_0"]["moe"]["wi_gate"]
+    assert kernel.dtype == jnp.float32  # dequantised: every value is an E4M3 value x its scale
+    np.testing.assert_array_equal(
+        kernel, models.quant.maybe_dequant(stored.params["layers_0"]["moe"]["wi_gate"]))
+    assert stored.params["layers_0"]["moe"]["wi_gate"]["qvalue"].dtype == jnp.float8_e4m3fn
+    a = once.generate_groups(prompts(6), n_samples=2, rng=jax.random.key(5))
+    b = stored.generate_groups(prompts(6), n_samples=2, rng=jax.random.key(5))
+    for ga, gb in zip(a, b, strict=True):
+        for ra, rb in zip(ga.responses, gb.responses, strict=True):
+            np.testing.assert_array_equal(ra.tokens, rb.tokens)
+            np.testing.assert_array_equal(ra.logprobs, rb.logprobs)
+            np.testing.assert_array_equal(ra.routed_experts, rb.routed_experts)
+
+
 def test_truncation_by_hand():
     # probs .4 .3 .2 .1
     logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]] * 4))

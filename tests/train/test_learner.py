@@ -48,6 +48,10 @@ def test_group_advantages_grpo_and_zero_variance_signs():
         adv, [a, -a, -a, a, 0, 0, 0, 0, 0, b, -b, 0], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(sign, [0, 0, 0, 0, 1, 1, 1, -1, -1, 0, 0, 1])
     assert adv.dtype == np.float32 and sign.dtype == np.float32
+    # zve.zvp.wrong_groups=False: only all-correct groups get RL-ZVP; all-wrong ones keep 0.
+    adv_c, sign_c = group_advantages(groups, "grpo", use_zvp=True, zvp_wrong=False)
+    np.testing.assert_array_equal(sign_c, [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1])
+    np.testing.assert_array_equal(adv_c, adv)
     _, sign_off = group_advantages(groups, "grpo", use_zvp=False)
     np.testing.assert_array_equal(sign_off, np.zeros(12))
     # RLOO on the mixed group: G/(G-1) * (r - mean) = 4/3 * +-0.5 = +-2/3.

@@ -77,10 +77,14 @@ def test_evaluate_per_level_accuracy_and_pass_at_k(engine):
     assert m["eval/accuracy_level1"] == pytest.approx(2 / 3)
     assert m["eval/accuracy_level2"] == 0.0
     assert m["eval/pass_at_k"] == pytest.approx(2 / 5)  # the verdict ignores the samples
+    assert m["eval/pass_at_k_level1"] == pytest.approx(2 / 3)
+    assert m["eval/pass_at_k_level2"] == 0.0
+    # Both samples of prompts 0 and 2 are right, none of the others'.
+    assert m["eval/sample_accuracy"] == pytest.approx(2 / 5)
+    assert m["eval/sample_accuracy_level1"] == pytest.approx(2 / 3)
     assert 1 <= m["eval/mean_response_len"] <= 8
-    # One greedy answer each, then up to k = 2 samples each (stopping at the first right one):
-    # prompts 0 and 2 need 1 sample, the other 3 both: 5 + 2 * 1 + 3 * 2 = 13 verdicts.
-    assert len(seen) == 13
+    # One greedy answer each, then k = 2 samples each, all scored: 5 + 5 * 2 = 15 verdicts.
+    assert len(seen) == 15
     # Greedy decoding is deterministic: a second evaluation decodes the same texts.
     first = [t for t, _ in seen[:5]]
     seen.clear()
