@@ -177,6 +177,12 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     if config.model.rope_theta < 0:
         errors.append(f"config.model.rope_theta must be >= 0 (0: the preset's), got "
                       f"{config.model.rope_theta}")
+    if config.zve.tie_break.wrong_score == "step_credit" and (
+            config.data.name != "arith_chains" or not config.zve.tie_break.enabled):
+        errors.append("config.zve.tie_break.wrong_score='step_credit' needs worked solutions to "
+                      "score steps against (data.name='arith_chains') and stage 2 on "
+                      f"(zve.tie_break.enabled); got data.name={config.data.name!r}, "
+                      f"enabled={config.zve.tie_break.enabled}")
     if config.warmstart.max_seconds < 0:
         errors.append(f"config.warmstart.max_seconds must be >= 0 (0: no limit), got "
                       f"{config.warmstart.max_seconds}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ml_collections
 
 TIE_BREAK_PREFER = ("shorter", "longer")
+TIE_BREAK_WRONG = ("zero", "step_credit")
 
 
 def default_zve_config() -> ml_collections.ConfigDict:
@@ -46,6 +47,9 @@ def default_zve_config() -> ml_collections.ConfigDict:
     c.tie_break.prefer = "shorter"  # which correct responses rank higher: shorter | longer
     c.tie_break.tier_gap = 1.0  # reward distance between the wrong and the correct tier
     c.tie_break.band = 0.25  # length term lies in (-band, band) * tier_gap; must be < 0.5
+    # Score of wrong responses inside the wrong tier: "zero" (all equal), or "step_credit" (the
+    # fraction of the worked solution's steps right before the first mistake; arith_chains)
+    c.tie_break.wrong_score = "zero"
 
     c.zvp = ml_collections.ConfigDict()  # stage 3 (applied by the learner's advantages)
     c.zvp.enabled = False  # RL-ZVP advantages (espo_jax.rl.advantages.rl_zvp) for ZV groups
@@ -87,6 +91,8 @@ def validate_zve_config(c: ml_collections.ConfigDict) -> None:
          f"adaptive needs prior > 0 and 0 < decay <= 1, got {a.prior}, {a.decay}"),
         (c.tie_break.prefer in TIE_BREAK_PREFER,
          f"tie_break.prefer {c.tie_break.prefer!r} is not one of {TIE_BREAK_PREFER}"),
+        (c.tie_break.wrong_score in TIE_BREAK_WRONG,
+         f"tie_break.wrong_score {c.tie_break.wrong_score!r} is not one of {TIE_BREAK_WRONG}"),
         (0.0 < c.tie_break.band < 0.5, f"tie_break.band must be in (0, 0.5), got "
                                        f"{c.tie_break.band}"),
         (f.oversample >= 1.0, f"online_filter.oversample must be >= 1, got {f.oversample}"),

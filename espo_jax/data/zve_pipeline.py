@@ -31,15 +31,23 @@ Rollout = Callable[[list[tuple[Mapping, int]]], Sequence[dict]]
 def group_rewards(group: Mapping, tie_break: ml_collections.ConfigDict,
                   max_len: int) -> np.ndarray:
     """float32 rewards of one group: its binary outcomes, or with stage 2 (`tie_break`, the
-    `zve.tie_break` config) on, the tie-broken rewards inside the correct tier."""
+    `zve.tie_break` config) on, the tie-broken rewards inside the correct tier (and with
+    `tie_break.wrong_score="step_credit"`, the group's `credits` inside the wrong tier)."""
     outcomes = binary_outcomes(group["outcomes"], str(group["prompt_id"]))
     if not tie_break.enabled:
         return outcomes.astype(np.float32)
     from espo_jax.rewards.shaping import tie_break_rewards  # imports JAX
 
+    wrong = None
+    if tie_break.wrong_score == "step_credit":
+        if "credits" not in group:
+            raise ValueError(f"zve.tie_break.wrong_score='step_credit': group "
+                             f"{group['prompt_id']!r} has no 'credits' (the reward function's "
+                             f"step_credit component)")
+        wrong = np.asarray(group["credits"], np.float32)
     return tie_break_rewards(outcomes, np.asarray(group["lengths"]), max_len=max_len,
                              prefer=tie_break.prefer, tier_gap=tie_break.tier_gap,
-                             band=tie_break.band)
+                             band=tie_break.band, wrong_score=wrong)
 
 
 class ZVEPipeline:

@@ -8,6 +8,10 @@ back into the outcome: zero-variance filtering and the correctness tier use the 
   ignored, and it must be a whole integer (`[+-]?digits`) equal to `answer`. Text after the
   number ("#12 done"), a missing `#`, or several numbers make it wrong: the format is part of
   the task, and a lenient check would reward answers the model did not commit to.
+- `arith_step_credit(response, solution)`: partial credit in [0, 1], the fraction of the worked
+  `solution`'s steps (comma-separated, before the `#`) that the response reproduces exactly as
+  a prefix. It is a score for shaping inside the wrong tier (`espo_jax.rewards.shaping`), never
+  an outcome.
 - `verify_math(response, answer, timeout_s)`: equivalence by `math-verify` (fractions vs
   decimals, `\\boxed{}`, LaTeX, sets, ...). The answer is the content of the last `\\boxed{}`,
   else the text after the last `####` (GSM8K), else math-verify's own extraction from the
@@ -54,6 +58,21 @@ def verify_arith(response: str, answer: str | int) -> bool:
         return False
     given = response.rsplit("#", 1)[1].strip()
     return bool(_INT_RE.fullmatch(given)) and int(given) == int(expected)
+
+
+def arith_step_credit(response: str, solution: str) -> float:
+    """Leading steps of `response` equal to those of the worked `solution`, over the solution's
+    step count: "a5=5,b+7=12,c-3=9#9" against a response "a5=5,b+7=11,..." scores 1/3."""
+    reference = solution.split("#", 1)[0].split(",")
+    if not solution or not reference[0]:
+        raise ValueError(f"arith_step_credit: reference solution {solution!r} has no steps")
+    given = response.split("#", 1)[0].split(",")
+    matched = 0
+    for ref, got in zip(reference, given, strict=False):
+        if ref != got.strip():
+            break
+        matched += 1
+    return matched / len(reference)
 
 
 # ---------------------------------------------------------------------------------------------

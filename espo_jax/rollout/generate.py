@@ -27,11 +27,13 @@ def generate_scored_groups(
     n_experts: int | None,
     admission: str = "fifo",
     predictor=None,
+    target_fn=None,
 ) -> list[RolloutGroup]:
     """Samples `n` responses for each `(prompt, n)` of `plan`, scores them, returns records.
 
     `prompt` is a prompt dict (`prompt_id`, `tokens`, `answer`, ...). Request i draws from
-    `rng` with seed i, so the result depends only on the weights, `rng` and the plan.
+    `rng` with seed i, so the result depends only on the weights, `rng` and the plan. The
+    reward function gets `target_fn(prompt)` (default: `prompt["answer"]`) as its reference.
     """
     requests = [
         Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"]), n_samples=n)
@@ -40,7 +42,8 @@ def generate_scored_groups(
     tag = f"{policy_version}:{time.monotonic_ns()}"
 
     def score(group: GenerationGroup) -> None:
-        answer = plan[group.request_index][0]["answer"]
+        prompt = plan[group.request_index][0]
+        answer = target_fn(prompt) if target_fn else prompt["answer"]
         for j, gen in enumerate(group.responses):
             pool.submit((tag, group.request_index), j, gen.tokens.tolist(), answer)
 

@@ -78,10 +78,12 @@ class RolloutWorker:
         *,
         detokenize: Callable | None = None,
         log: Callable[[str], None] = print,
+        target_fn: Callable[[Mapping], Any] | None = None,
     ):
         self.config = config
         self._prompts = iter(prompts)
         self.reward_fn, self.detokenize, self.log = reward_fn, detokenize, log
+        self.target_fn = target_fn  # the reward's reference per prompt (default its answer)
         self.engine: Engine | None = None
         self.model_config = None  # of the loaded weights
         self.n_experts: int | None = None
@@ -201,6 +203,7 @@ class RolloutWorker:
             n_experts=self.n_experts,
             admission=c.admission,
             predictor=self.predictor,
+            target_fn=self.target_fn,
         )
         for g in groups:
             writer.write(g)
@@ -347,13 +350,11 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1)
         reward_timeout_s=r.reward_timeout_s,
         seed=config.seed * 1000 + index,
     )
-    reward = (
-        setup_lib.arith_reward if config.data.name == "arith_chains" else (setup_lib.math_reward)
-    )
+    reward, target_fn = setup_lib.reward_fn(config)
     decode = setup_lib.char_decode if config.tokenizer == "char" else setup.tokenizer.decode
     mine = [setup.train_prompts[i] for i in range(index, len(setup.train_prompts), num_workers)]
     prompts = itertools.chain.from_iterable(itertools.repeat(mine))
-    worker = RolloutWorker(wc, prompts, reward, detokenize=decode)
+    worker = RolloutWorker(wc, prompts, reward, detokenize=decode, target_fn=target_fn)
     worker.install_signal_handlers()
     worker.run()
     return 0

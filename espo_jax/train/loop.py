@@ -64,7 +64,8 @@ def zve_group(group) -> dict:
     """A buffer `RolloutGroup` as the group dict MS-ZVE works on (binary outcomes, lengths)."""
     return {"prompt_id": group.prompt_id, "group": group,
             "outcomes": [int(bool(r.outcome)) for r in group.responses],
-            "lengths": [r.length for r in group.responses]}
+            "lengths": [r.length for r in group.responses],
+            "credits": [r.reward_components.get("step_credit", 0.0) for r in group.responses]}
 
 
 def rewarded_groups(batch: list[dict]) -> list:
@@ -229,7 +230,8 @@ class SyncRun(Run):
     def __init__(self, config, workdir: str):
         super().__init__(config, workdir)
         self.engine = _engine(self.setup, config.rollout.precision)
-        self.pool = RewardPool(self.verify, num_workers=config.rollout.reward_workers,
+        reward, self.target_fn = setup_lib.reward_fn(config)
+        self.pool = RewardPool(reward, num_workers=config.rollout.reward_workers,
                                timeout_s=config.rollout.reward_timeout_s,
                                detokenize=self.decode)
 
@@ -258,7 +260,8 @@ class SyncRun(Run):
             rounds[0] += 1
             groups = generate_scored_groups(
                 self.engine, self.pool, plan, rng=key, policy_version=step,
-                n_experts=n_experts, admission="longest_first", predictor=predictor)
+                n_experts=n_experts, admission="longest_first", predictor=predictor,
+                target_fn=self.target_fn)
             for g in groups:
                 writer.write(g)
                 predictor.observe(g.prompt_id, [r.length for r in g.responses])

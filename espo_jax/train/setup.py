@@ -15,7 +15,7 @@ from espo_jax import distributed, sharding
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig, get_preset
 from espo_jax.models.tokenizer import CharTokenizer, load_tokenizer
-from espo_jax.rewards.verifiers import verify_arith, verify_math
+from espo_jax.rewards.verifiers import arith_step_credit, verify_arith, verify_math
 
 
 @dataclasses.dataclass
@@ -41,6 +41,22 @@ def char_decode(ids) -> str:
 
 def arith_reward(text: str, answer: str) -> bool:
     return verify_arith(text, answer)
+
+
+def arith_credit_reward(text: str, target: tuple[str, str]) -> dict:
+    """The arith outcome plus `step_credit` (the worked solution's steps reproduced as a
+    prefix), for `zve.tie_break.wrong_score="step_credit"`; `target` is (answer, solution)."""
+    answer, solution = target
+    ok = verify_arith(text, answer)
+    return {"reward": float(ok), "outcome": ok, "step_credit": arith_step_credit(text, solution)}
+
+
+def reward_fn(config):
+    """(reward function, target of a prompt) of the RL rollouts: the task's verifier on
+    `prompt["answer"]`, or with step credit on `(answer, solution)`."""
+    if config.data.name == "arith_chains" and config.zve.tie_break.wrong_score == "step_credit":
+        return arith_credit_reward, lambda p: (p["answer"], p["solution"])
+    return (arith_reward if config.data.name == "arith_chains" else math_reward), None
 
 
 def math_reward(text: str, answer: str) -> bool:

@@ -43,6 +43,24 @@ def test_right_always_beats_wrong(rows, prefer, band):
     assert np.all(np.abs(r - outcomes) < band + 1e-6)  # the term stays inside its band
 
 
+def test_wrong_score_ranks_inside_the_wrong_tier():
+    # Step credit .25 / .75 / 0 for three wrong responses, one right: wrong rewards
+    # .25 * tanh(credit) (0.0612, 0.1588, 0), the right one 1 + .25 * tanh(1 - 2 * 10/40).
+    r = tie_break_rewards(np.array([0, 0, 0, 1]), np.array([30, 30, 30, 10]), max_len=40,
+                          wrong_score=np.array([0.25, 0.75, 0.0, 0.5]))
+    np.testing.assert_allclose(
+        r, [0.25 * math.tanh(0.25), 0.25 * math.tanh(0.75), 0.0, 1 + 0.25 * math.tanh(0.5)],
+        rtol=1e-6)
+    # An all-wrong group with different credits has reward contrast; equal credits do not.
+    assert np.ptp(tie_break_rewards(np.zeros(3), np.full(3, 8), max_len=16,
+                                    wrong_score=np.array([0, 0.5, 1]))) > 0.1
+    assert np.ptp(tie_break_rewards(np.zeros(3), np.full(3, 8), max_len=16,
+                                    wrong_score=np.full(3, 0.5))) == 0
+    with pytest.raises(ValueError, match="wrong_score"):
+        tie_break_rewards(np.array([0, 1]), np.array([1, 2]), max_len=4,
+                          wrong_score=np.array([1.5, 0.0]))
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="binary"):
         tie_break_rewards(np.array([0.5, 1.0]), np.array([1, 2]), max_len=4)

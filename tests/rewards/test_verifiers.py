@@ -10,7 +10,13 @@ import time
 import pytest
 
 from espo_jax.rewards import verifiers
-from espo_jax.rewards.verifiers import helper_pid, math_verify_stats, verify_arith, verify_math
+from espo_jax.rewards.verifiers import (
+    arith_step_credit,
+    helper_pid,
+    math_verify_stats,
+    verify_arith,
+    verify_math,
+)
 
 
 @pytest.mark.parametrize("response, answer, expected", [
@@ -29,6 +35,27 @@ from espo_jax.rewards.verifiers import helper_pid, math_verify_stats, verify_ari
 ])
 def test_verify_arith(response, answer, expected):
     assert verify_arith(response, answer) is expected
+
+
+@pytest.mark.parametrize(
+    "response, credit",
+    [
+        ("a5=5,b+7=12,c-3=9#9", 1.0),  # every step
+        ("a5=5,b+7=12,c-3=8#8", 2 / 3),  # the last step's arithmetic is wrong
+        ("a5=5,b+7=11,c-3=9#9", 1 / 3),  # a later right step after a mistake earns nothing
+        ("a5=5,b+7=12", 2 / 3),  # stopped before the last step, no answer
+        ("a5=5,b+7=12,c-3=9,d+1=10#10", 1.0),  # an extra step: the outcome says it is wrong
+        ("a6=6,b+7=13,c-3=10#10", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_arith_step_credit(response, credit):
+    assert arith_step_credit(response, "a5=5,b+7=12,c-3=9#9") == pytest.approx(credit)
+
+
+def test_arith_step_credit_needs_a_worked_solution():
+    with pytest.raises(ValueError, match="has no steps"):
+        arith_step_credit("a5=5#5", "")
 
 
 def test_verify_arith_rejects_bad_reference():
