@@ -61,7 +61,8 @@ def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
 
 
 def zve_group(group) -> dict:
-    """A buffer `RolloutGroup` as the group dict MS-ZVE works on (binary outcomes, lengths)."""
+    """A buffer `RolloutGroup` as the group dict MS-ZVE works on (binary outcomes, lengths,
+    step credits where the reward function gave them)."""
     return {"prompt_id": group.prompt_id, "group": group,
             "outcomes": [int(bool(r.outcome)) for r in group.responses],
             "lengths": [r.length for r in group.responses],
