@@ -317,8 +317,8 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     c.warmstart.lr = 2e-3
     c.warmstart.eval_every = 200  # its accuracy is below the target at 200 and 400 on seeds 0-2
     c.warmstart.target_accuracy = 0.95
-    # lr 2e-4, one update per rollout batch (128 rows), with the supervised anchor (worked
-    # solutions of levels 1-4 in every update). lr 3e-4 with two updates per batch ranged from
+    # One update per rollout batch (<= 256 rows), with the supervised anchor (worked solutions
+    # of levels 1-4 in every update). lr 3e-4 with two updates per 128-row batch ranged from
     # -10 to +10 points over runs; GRPO at 3e-4 on level-3 prompts alone lowered its own
     # rollout accuracy there (0.69 -> 0.55 in 30 steps); lr 1e-4 stayed flat (README).
     c.optim.lr = 3e-4  # with 256-row batches (stop 16, seeds 0-2): +17.5 / +26.0 / +16.5; at
