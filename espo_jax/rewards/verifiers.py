@@ -64,7 +64,7 @@ def arith_step_credit(response: str, solution: str) -> float:
     """Leading steps of `response` equal to those of the worked `solution`, over the solution's
     step count: "a5=5,b+7=12,c-3=9#9" against a response "a5=5,b+7=11,..." scores 1/3."""
     reference = solution.split("#", 1)[0].split(",")
-    if not solution or not reference[0]:
+    if not reference[0]:
         raise ValueError(f"arith_step_credit: reference solution {solution!r} has no steps")
     given = response.split("#", 1)[0].split(",")
     matched = 0

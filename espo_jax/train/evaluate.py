@@ -34,9 +34,8 @@ def evaluate(
     groups = engine.generate_groups(requests, n_samples=1, sampling=greedy, rng=rng)
     correct = np.array([verify(decode(g.responses[0].tokens), p["answer"])
                         for g, p in zip(groups, prompts, strict=True)])
-    metrics = {"eval/accuracy": float(correct.mean()) if len(correct) else 0.0}
     levels = [int(p.get("level", 0)) for p in prompts]
-    metrics.update(_per_level("eval/accuracy", correct, levels, overall=False))
+    metrics = _per_level("eval/accuracy", correct, levels)
     metrics["eval/mean_response_len"] = float(np.mean([len(g.responses[0].tokens) for g in groups]))
     if pass_k > 0:
         sampled = dataclasses.replace(engine.sampling, temperature=1.0, top_k=0, top_p=1.0)
@@ -49,11 +48,10 @@ def evaluate(
     return metrics
 
 
-def _per_level(name: str, values: np.ndarray, levels: Sequence[int], overall: bool = True
-               ) -> dict[str, float]:
-    """`name` (the mean of `values`, when `overall`) and `{name}_level{n}` per level."""
+def _per_level(name: str, values: np.ndarray, levels: Sequence[int]) -> dict[str, float]:
+    """`name` (the mean of `values`) and `{name}_level{n}` (the mean per level)."""
     values = np.asarray(values, np.float64)
-    out = {name: float(values.mean()) if len(values) else 0.0} if overall else {}
+    out = {name: float(values.mean()) if len(values) else 0.0}
     by_level = defaultdict(list)
     for v, level in zip(values, levels, strict=True):
         by_level[level].append(v)

@@ -96,8 +96,7 @@ class Run:
         self.eval_engine = _engine(self.setup, "fp32")
         self.decode = (setup_lib.char_decode if config.tokenizer == "char"
                        else self.setup.tokenizer.decode)
-        self.verify = (setup_lib.arith_reward if config.data.name == "arith_chains"
-                       else setup_lib.math_reward)
+        self.verify = setup_lib.verifier(config)
 
     # -- pieces -----------------------------------------------------------------------------
     def evaluate(self, params, prompts=None) -> dict:

@@ -51,12 +51,17 @@ def arith_credit_reward(text: str, target: tuple[str, str]) -> dict:
     return {"reward": float(ok), "outcome": ok, "step_credit": arith_step_credit(text, solution)}
 
 
+def verifier(config):
+    """The task's outcome check `(text, answer) -> bool` (held-out evaluation, RL rewards)."""
+    return arith_reward if config.data.name == "arith_chains" else math_reward
+
+
 def reward_fn(config):
     """(reward function, target of a prompt) of the RL rollouts: the task's verifier on
     `prompt["answer"]`, or with step credit on `(answer, solution)`."""
     if config.data.name == "arith_chains" and config.zve.tie_break.wrong_score == "step_credit":
         return arith_credit_reward, lambda p: (p["answer"], p["solution"])
-    return (arith_reward if config.data.name == "arith_chains" else math_reward), None
+    return verifier(config), None
 
 
 def math_reward(text: str, answer: str) -> bool:
