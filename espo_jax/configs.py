@@ -33,6 +33,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.hf_path = ""  # if set, initial weights and config from a Hugging Face directory
     c.model.rope_theta = 0.0  # RoPE base; 0 keeps the preset's (Qwen3's 1e6)
     c.model.aux_loss_coef = -1.0  # load-balancing loss weight; < 0 keeps the preset's (1e-3)
+    c.model.remat = False  # recompute each block's activations in the backward pass
+    c.model.attention_chunk = 0  # > 0: attention over query chunks of this many tokens (memory)
 
     c.tokenizer = "char"  # "char" or a path to a Hugging Face tokenizer.json
 
@@ -174,6 +176,9 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     if config.train.anchor_coef > 0 and not config.warmstart.levels:
         errors.append("config.train.anchor_coef > 0 needs worked solutions: "
                       "config.warmstart.levels is empty")
+    if config.model.attention_chunk < 0:
+        errors.append(f"config.model.attention_chunk must be >= 0 (0: unchunked attention), got "
+                      f"{config.model.attention_chunk}")
     if config.model.rope_theta < 0:
         errors.append(f"config.model.rope_theta must be >= 0 (0: the preset's), got "
                       f"{config.model.rope_theta}")

@@ -32,10 +32,11 @@ Choices where the papers are silent (each can be overridden with `--config.x.y=.
     token's FLOPs at 16k) on each of its devices; `:expert=N` exists for when the batch rule
     also covers `expert` (MaxText's choice). bf16 parameters and Adam moments: 8 bytes per
     parameter, 244 GB in all, 30.5 GB per device on 8 GPUs.
-  - Memory at 16k: the model's attention materialises [H, T, T] scores (32 x 16k^2 x 6 bytes
-    = 52 GB per layer kept for the backward pass) and layers are not rematerialised, so the
-    learner needs a fused attention kernel and per-layer remat before 16k fits; today about
-    `max_len=2048` fits an 80 GB GPU (48 layers x 192 T^2 bytes = 39 GB at T = 2048).
+  - Memory at 16k: layers are rematerialised (`model.remat`) and attention runs over query
+    chunks of 1024 (`model.attention_chunk`), whose [H, 1024, T] scores are recomputed in the
+    backward pass instead of keeping [H, T, T] (32 x 16k^2 x 6 bytes = 52 GB per layer).
+    `python -m espo_jax.bench attention` compiles one block's gradient at 16k both ways: see
+    the README's benchmarks for the temporary memory it reports.
   - Constant lr after 10 warm-up steps; 500 RL steps; staleness limit 1 policy version.
 """
 
@@ -56,6 +57,8 @@ def get_config(arg: str | None = None):
     c.model.preset = PRESET  # shapes (sharding checks); the weights come from hf_path
     c.model.hf_path = arg.hf_path
     c.model.dispatch = "ragged"  # grouped matmul over experts (lax.ragged_dot)
+    c.model.remat = True  # keep only each block's input for the backward pass
+    c.model.attention_chunk = 1024  # query chunks: O(1024 T) attention memory, not O(T^2)
     c.tokenizer = arg.hf_path.rstrip("/") + "/tokenizer.json"
     c.data.name = "math_jsonl"
     c.data.jsonl_train = arg.train_jsonl
@@ -119,6 +122,7 @@ def small(c):
     configs.apply_small(c)
     c.model.hf_path = ""
     c.model.dispatch = "dropless"
+    c.model.attention_chunk = 16  # < the 32-token prompts, so the chunked path runs here too
     c.tokenizer = "char"
     c.data.name = "arith_chains"
     c.loss.vocab_size = 128  # the tiny preset's |V|

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from espo_jax import configs, sharding
-from espo_jax.models.config import get_preset
 from espo_jax.models.transformer import init_boxed
+from espo_jax.train.setup import preset_model_config
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                     "qwen3_30b_a3b.py")
@@ -41,7 +41,7 @@ def load(arg=None):
 def model():
     """(model config, abstract parameter shapes, logical specs) of the full config's preset."""
     config = load()
-    model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
+    model_config = preset_model_config(config)  # the run's architecture (hf_path's config.json)
     boxed = jax.eval_shape(functools.partial(init_boxed, model_config), jax.random.key(0))
     return model_config, nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
 
@@ -61,6 +61,10 @@ def test_full_config_validates_with_paper_settings():
     assert (c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor) == (1, 8, 1, 1)
     assert c.train.micro_batches == 32
     assert c.train.num_workers == 0  # vLLM workers come from the launch script
+    # 16k tokens fit only with layer remat and chunked attention (README: bench attention).
+    model_config = preset_model_config(c)
+    assert (model_config.remat, model_config.attention_chunk, model_config.dispatch) == (
+        True, 1024, "ragged")
 
 
 def test_tpu_variant_needs_its_slice():

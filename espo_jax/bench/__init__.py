@@ -9,7 +9,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-NAMES = ("model", "buffer", "engine", "zve")
+NAMES = ("model", "buffer", "engine", "zve", "attention")
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

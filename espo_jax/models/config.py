@@ -44,6 +44,9 @@ class ModelConfig:
     capacity_factor: float = 1.25  # only for dispatch == "capacity"
     init_std: float = 0.02  # normal init of kernels and embeddings (HF initializer_range)
     remat: bool = False  # recompute each block's activations in the backward pass (memory)
+    # 0: attention materialises [B, H, T, S] scores; n > 0: queries in chunks of n tokens whose
+    # scores are recomputed in the backward pass (memory O(n S) instead of O(T S); same result)
+    attention_chunk: int = 0
 
     def __post_init__(self):
         errors = []
@@ -74,6 +77,9 @@ class ModelConfig:
             errors.append(f"shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
         if self.dispatch not in DISPATCHES:
             errors.append(f"dispatch {self.dispatch!r} is not one of {DISPATCHES}")
+        if self.attention_chunk < 0:
+            errors.append(f"attention_chunk must be >= 0 (0: unchunked), got "
+                          f"{self.attention_chunk}")
         if self.capacity_factor <= 0:
             errors.append(f"capacity_factor must be > 0, got {self.capacity_factor}")
         for name in ("dtype", "param_dtype"):

@@ -9,6 +9,7 @@ one forward serves float and quantised parameters.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,43 @@ def write_cache(
     )
 
 
+def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array, *, keys_BxSxKxA: jax.Array,
+                values_BxSxKxA: jax.Array, key_pos_BxS: jax.Array, key_valid_BxS: jax.Array,
+                dtype: Any) -> jax.Array:
+    """Softmax attention of queries at `positions_BxT` over the keys at positions <= theirs
+    that are valid; scores and softmax in fp32. Materialises the [B, K, G, T, S] scores."""
+    a = q_BxTxKxGxA.shape[-1]
+    scores = jnp.einsum("btkga,bska->bkgts", q_BxTxKxGxA, keys_BxSxKxA,
+                        preferred_element_type=jnp.float32) * (a ** -0.5)
+    mask_BxTxS = (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]) & key_valid_BxS[
+        :, None, :
+    ]
+    # A finite minimum rather than -inf: a query with no valid key (a padding query)
+    # gets a uniform, finite distribution instead of NaN; its output is never used.
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum("bkgts,bska->btkga", probs, values_BxSxKxA)
+
+
+def chunked(attend: Callable[[jax.Array, jax.Array], jax.Array], q_BxTxKxGxA: jax.Array,
+            positions_BxT: jax.Array, chunk: int) -> jax.Array:
+    """`attend` over query chunks of `chunk` tokens, one after the other (`lax.map`), each
+    under `jax.checkpoint`: the forward holds one chunk's [B, K, G, chunk, S] scores at a time
+    and the backward recomputes them, so attention memory is O(chunk * S) instead of O(T * S).
+    Each query row's softmax still spans all keys, so the result is the full attention's (up to
+    float summation order). T is padded to a multiple of `chunk` with queries at position -1
+    (no key visible; their rows are dropped)."""
+    b, t = positions_BxT.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    q = jnp.pad(q_BxTxKxGxA, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+    pos = jnp.pad(positions_BxT, ((0, 0), (0, pad)), constant_values=-1)
+    q_NxBxCxKxGxA = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
+    pos_NxBxC = jnp.moveaxis(pos.reshape(b, n, chunk), 1, 0)
+    out = jax.lax.map(lambda qp: jax.checkpoint(attend)(*qp), (q_NxBxCxKxGxA, pos_NxBxC))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :t]
+
+
 class Attention(nn.Module):
     """Grouped-query attention (K kv heads shared by H/K query heads each), q/k RMSNorm per
     head, RoPE. A query at position p sees keys at positions <= p that are valid."""
@@ -150,16 +188,13 @@ class Attention(nn.Module):
 
         g = h // kv
         q_BxTxKxGxA = q_BxTxHxA.reshape(b, t, kv, g, a)
-        scores = jnp.einsum("btkga,bska->bkgts", q_BxTxKxGxA, keys_BxSxKxA,
-                            preferred_element_type=jnp.float32) * (a ** -0.5)
-        mask_BxTxS = (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]) & key_valid_BxS[
-            :, None, :
-        ]
-        # A finite minimum rather than -inf: a query with no valid key (a padding query)
-        # gets a uniform, finite distribution instead of NaN; its output is never used.
-        scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
-        out_BxTxKxGxA = jnp.einsum("bkgts,bska->btkga", probs, values_BxSxKxA)
+        attend = functools.partial(attend_keys, keys_BxSxKxA=keys_BxSxKxA,
+                                   values_BxSxKxA=values_BxSxKxA, key_pos_BxS=key_pos_BxS,
+                                   key_valid_BxS=key_valid_BxS, dtype=c.dtype)
+        if c.attention_chunk and t > c.attention_chunk:
+            out_BxTxKxGxA = chunked(attend, q_BxTxKxGxA, positions_BxT, c.attention_chunk)
+        else:
+            out_BxTxKxGxA = attend(q_BxTxKxGxA, positions_BxT)
         out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxKxGxA.reshape(b, t, h * a))
         return out, new_cache
 

@@ -113,21 +113,35 @@ def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
 
 
 def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """`config.model.preset` with the config's overrides (dispatch; rope_theta when > 0;
-    aux_loss_coef when >= 0)."""
+    """`config.model.preset` with the config's overrides (rope_theta when > 0; see
+    `runtime_overrides` for the rest)."""
     overrides = {"rope_theta": float(config.model.rope_theta)} if config.model.rope_theta else {}
+    return get_preset(config.model.preset, **overrides, **runtime_overrides(config))
+
+
+def runtime_overrides(config: ml_collections.ConfigDict) -> dict:
+    """The model fields a run chooses whatever the weights' architecture (a preset's or a
+    Hugging Face config.json's): MoE dispatch, layer remat, attention chunk, and the
+    load-balancing loss weight when `config.model.aux_loss_coef` >= 0."""
+    overrides = {"dispatch": config.model.dispatch, "remat": bool(config.model.remat),
+                 "attention_chunk": int(config.model.attention_chunk)}
     if config.model.aux_loss_coef >= 0:
         overrides["aux_loss_coef"] = float(config.model.aux_loss_coef)
-    return get_preset(config.model.preset, dispatch=config.model.dispatch, **overrides)
+    return overrides
+
+
+def load_model(config: ml_collections.ConfigDict) -> tuple[ModelConfig, dict | None]:
+    """(model config, Hugging Face weights or None): `config.model.hf_path`'s architecture and
+    weights when set, else the preset's architecture; the run's `runtime_overrides` either way."""
+    if not config.model.hf_path:
+        return preset_model_config(config), None
+    model_config, hf_params = hf_io.from_pretrained(config.model.hf_path)
+    return model_config.replace(**runtime_overrides(config)), hf_params
 
 
 def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     """Everything but the train state. Validates shapes (mesh, vocab) before any compile."""
-    hf_params = None
-    if config.model.hf_path:
-        model_config, hf_params = hf_io.from_pretrained(config.model.hf_path)
-    else:
-        model_config = preset_model_config(config)
+    model_config, hf_params = load_model(config)
     tokenizer = load_tokenizer(config.tokenizer)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "

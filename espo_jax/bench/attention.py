@@ -1,0 +1,90 @@
+"""Attention benchmark: unchunked vs chunked attention (`ModelConfig.attention_chunk`).
+
+`python -m espo_jax.bench attention [--quick] [--out FILE.json]`
+
+1. Measured, side by side: the gradient of a one-layer `small` model (the default experiment's
+   geometry: 8 heads of 32, 2 kv heads), batch 1, at T = 512, 1024, 2048 (256, 512 with
+   `--quick`), unchunked vs chunks of 128 queries. Median seconds of the jitted gradient
+   (timed alternately, so machine load hits both alike) and XLA's temporary memory from the
+   compiled executable's memory analysis.
+2. Compiled only (nothing is executed or allocated): one `qwen3_30b_a3b` block (bf16, 32 heads
+   of 128) at T = 4096 and 16384 (4096 with `--quick`), unchunked vs chunks of 1024: the
+   temporary memory one sequence needs per layer in the backward pass (CPU XLA's buffer
+   assignment, an estimate of an accelerator's). The loss is on the final hidden state, so the
+   LM head's [T, V] logits do not hide the attention's share.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from espo_jax.bench import format_table
+from espo_jax.bench.model import interleaved_medians
+from espo_jax.models import ModelConfig, forward, get_preset, init_params
+
+
+def _hidden_loss(config: ModelConfig, params: dict, tokens_BxT: jax.Array) -> jax.Array:
+    out = forward(config, params, tokens_BxT, return_hidden=True, return_logits=False)
+    return jnp.mean(jnp.square(out.hidden.astype(jnp.float32))) + out.aux_loss
+
+
+def compiled_grad(config: ModelConfig, seq_len: int):
+    """The jitted gradient of `_hidden_loss` for [1, seq_len] tokens, compiled from shapes."""
+    params = jax.eval_shape(lambda r: init_params(config, r), jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    return jax.jit(jax.grad(_hidden_loss, argnums=1), static_argnums=0).lower(
+        config, params, tokens).compile()
+
+
+def temp_bytes(config: ModelConfig, seq_len: int) -> int:
+    return int(compiled_grad(config, seq_len).memory_analysis().temp_size_in_bytes)
+
+
+def measured(seq_lens: tuple[int, ...], chunk: int, repeats: int) -> list[dict]:
+    base = get_preset("small").replace(n_layers=1, max_seq_len=max(seq_lens))
+    params = init_params(base, jax.random.key(0))
+    rows = []
+    for t in seq_lens:
+        tokens = jax.random.randint(jax.random.key(1), (1, t), 0, base.vocab_size)
+        configs = {"full": base, "chunked": base.replace(attention_chunk=chunk)}
+        fns = {}
+        for name, cfg in configs.items():
+            grad = compiled_grad(cfg, t)
+            grad(params, tokens)  # warm-up
+            fns[name] = lambda grad=grad, tokens=tokens: jax.block_until_ready(
+                grad(params, tokens))
+        seconds = interleaved_medians(fns, repeats)
+        rows.append({"seq_len": t, "chunk": chunk,
+                     "full_s": seconds["full"], "chunked_s": seconds["chunked"],
+                     "full_temp_bytes": temp_bytes(configs["full"], t),
+                     "chunked_temp_bytes": temp_bytes(configs["chunked"], t)})
+    return rows
+
+
+def qwen3_block(seq_lens: tuple[int, ...], chunk: int) -> list[dict]:
+    cfg = get_preset("qwen3_30b_a3b").replace(n_layers=1, vocab_size=1024)
+    return [{"seq_len": t, "chunk": chunk, "full_temp_bytes": temp_bytes(cfg, t),
+             "chunked_temp_bytes": temp_bytes(cfg.replace(attention_chunk=chunk), t)}
+            for t in seq_lens]
+
+
+def run(quick: bool) -> dict:
+    small = measured((256, 512) if quick else (512, 1024, 2048), chunk=128,
+                     repeats=3 if quick else 7)
+    mib = 2.0**-20
+    print("one `small` layer, gradient, batch 1 (measured):")
+    print(format_table(
+        ["T", "chunk", "full s", "chunked s", "time ratio", "full temp MiB", "chunked temp MiB",
+         "memory ratio"],
+        [[r["seq_len"], r["chunk"], r["full_s"], r["chunked_s"], r["chunked_s"] / r["full_s"],
+          r["full_temp_bytes"] * mib, r["chunked_temp_bytes"] * mib,
+          r["chunked_temp_bytes"] / r["full_temp_bytes"]] for r in small]))
+    big = qwen3_block((4096,) if quick else (4096, 16384), chunk=1024)
+    gib = 2.0**-30
+    print("\none `qwen3_30b_a3b` block, gradient, one sequence (compiled only):")
+    print(format_table(
+        ["T", "chunk", "full temp GiB", "chunked temp GiB", "memory ratio"],
+        [[r["seq_len"], r["chunk"], r["full_temp_bytes"] * gib, r["chunked_temp_bytes"] * gib,
+          r["chunked_temp_bytes"] / r["full_temp_bytes"]] for r in big]))
+    return {"small_layer": small, "qwen3_30b_a3b_block": big}
