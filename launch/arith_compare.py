@@ -118,14 +118,14 @@ def plot(summaries: dict[str, dict], path: str) -> None:
     bars = {"warm start": levels(summaries["espo"], "warmstart"),
             **{name: levels(s, "final") for name, s in summaries.items()}}
     width = 0.8 / len(bars)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.4))
     x = np.arange(len(level_ids))
     for i, (name, per) in enumerate(bars.items()):
         ax.bar(x + i * width, [per[lv] for lv in level_ids], width, label=name)
     ax.set_xticks(x + 0.4 - width / 2, [f"level {lv}" for lv in level_ids])
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8, ncol=3)
+    ax.legend(fontsize=8, ncol=len(bars), loc="upper center", bbox_to_anchor=(0.5, -0.08))
     ax.set_title("arith_chains: one warm start, then each loss (same RL budget)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
