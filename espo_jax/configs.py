@@ -21,7 +21,7 @@ MODES = ("train", "rollout")
 
 def default_config() -> ml_collections.ConfigDict:
     from espo_jax.data.zve_config import default_zve_config
-    from espo_jax.rl.losses import default_loss_config
+    from espo_jax.rl.loss_config import default_loss_config
 
     c = ml_collections.ConfigDict()
     c.seed = 0  # every RNG of the run derives from this
@@ -143,7 +143,7 @@ def _choice(errors: list[str], config, key: str, allowed) -> None:
 def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     """Raises ValueError listing every problem, each naming its key and the allowed values."""
     from espo_jax.data.zve_config import validate_zve_config
-    from espo_jax.rl.losses import validate_loss_config
+    from espo_jax.rl.loss_config import validate_loss_config
 
     errors: list[str] = []
     _choice(errors, config, "mode", MODES)
@@ -274,7 +274,7 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     """The `arith_chains` experiment family: `small` MoE, warm start on the easy levels, then RL
     with `loss_name` (the paper's clip settings for it) on all levels, every zero-variance stage,
     FP8 engine and router replay. Experiments differ from each other by the loss only."""
-    from espo_jax.rl.losses import paper_loss_config
+    from espo_jax.rl.loss_config import paper_loss_config
 
     arg = parse_arg(arg, small=False)
     c = default_config()

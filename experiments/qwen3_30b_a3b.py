@@ -41,7 +41,7 @@ Choices where the papers are silent (each can be overridden with `--config.x.y=.
 """
 
 from espo_jax import configs
-from espo_jax.rl.losses import paper_loss_config
+from espo_jax.rl.loss_config import paper_loss_config
 
 PRESET = "qwen3_30b_a3b"
 VOCAB = 151936  # Qwen3 tokenizer |V| (ESPO's log|V|)

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo_jax.rl import losses
+from espo_jax.rl import loss_config, losses
 
 NAMES = ["grpo", "dapo", "gspo", "gspo_token", "espo"]
 V = 1000  # vocab size for ESPO's log|V|
 
 
 def _cfg(name, **overrides):
-    cfg = losses.default_loss_config()
+    cfg = loss_config.default_loss_config()
     cfg.name = name
     cfg.vocab_size = V
     for key, value in overrides.items():
@@ -105,7 +105,7 @@ def test_ratio_one_gives_reinforce_gradient(name, run_loss):
     else:
         adv = np.asarray(rng.normal(size=(2, 5)), np.float32)
     _, met, grad = run_loss(cfg, old, old, adv, RF_MASK, entropy=RF_ENT)
-    weights = RF_WEIGHTS[losses.PAPER_AGGREGATION[cfg.name]]
+    weights = RF_WEIGHTS[loss_config.PAPER_AGGREGATION[cfg.name]]
     # d(-J)/d logp_t = -A_t w_t: the REINFORCE gradient with the aggregation's token weights.
     np.testing.assert_allclose(grad, -adv * np.array(weights), rtol=1e-5, atol=1e-7)
     assert met["is_ratio/min"] == met["is_ratio/max"] == 1.0

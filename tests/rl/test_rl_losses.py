@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo_jax.rl import losses
+from espo_jax.rl import loss_config, losses
 
 # Two responses, T = 4. Row 0 has 3 tokens with ratios 0.7, 1.1, 1.3 and A = +1; row 1 has
 # 2 tokens with ratios 0.7, 1.1 and A = -1. Masked positions hold garbage that must not matter.
@@ -20,7 +20,7 @@ LOGP = np.where(MASK > 0, OLD + np.log(RATIOS), 123.0).astype(np.float32)
 
 
 def _cfg(name, **overrides):
-    cfg = losses.default_loss_config()
+    cfg = loss_config.default_loss_config()
     cfg.name = name
     for key, value in overrides.items():
         cfg[key] = value
@@ -260,18 +260,18 @@ def test_validate_loss_config_names_the_key(key, value, match):
     cfg = _cfg("grpo")
     cfg[key] = value
     with pytest.raises(ValueError, match=match):
-        losses.validate_loss_config(cfg)
+        loss_config.validate_loss_config(cfg)
 
 
 def test_validate_rejects_unknown_and_missing_keys():
-    cfg = losses.default_loss_config()
+    cfg = loss_config.default_loss_config()
     cfg.unlock()
     cfg.espo_alfa = 0.1
     with pytest.raises(ValueError, match="espo_alfa"):
-        losses.validate_loss_config(cfg)
+        loss_config.validate_loss_config(cfg)
     del cfg["espo_alfa"], cfg["tis_cap"]
     with pytest.raises(ValueError, match="missing.*tis_cap"):
-        losses.validate_loss_config(cfg)
+        loss_config.validate_loss_config(cfg)
 
 
 def test_missing_inputs_are_named():
@@ -287,12 +287,12 @@ def test_missing_inputs_are_named():
 
 def test_paper_configs_and_registry():
     assert set(losses.LOSSES) == {"grpo", "dapo", "gspo", "gspo_token", "espo"}
-    assert losses.paper_loss_config("dapo").clip_high == 0.28
-    assert losses.paper_loss_config("gspo").clip_low == 3e-4
+    assert loss_config.paper_loss_config("dapo").clip_high == 0.28
+    assert loss_config.paper_loss_config("gspo").clip_low == 3e-4
     for name in losses.LOSSES:
-        losses.validate_loss_config(losses.paper_loss_config(name))
+        loss_config.validate_loss_config(loss_config.paper_loss_config(name))
     with pytest.raises(ValueError, match="unknown loss"):
-        losses.paper_loss_config("ppo")
+        loss_config.paper_loss_config("ppo")
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "gspo_token", "espo"])
@@ -325,7 +325,7 @@ def test_a_registered_loss_is_validated_and_used(run_loss):
     try:
         cfg = _cfg("reinforce")
         with pytest.raises(ValueError, match=r"PAPER_AGGREGATION\['reinforce'\]"):
-            losses.validate_loss_config(cfg)
+            loss_config.validate_loss_config(cfg)
         cfg.aggregation = "token_mean"
         loss, _, _ = run_loss(cfg, jnp.asarray(LOGP), OLD, ADV, MASK)
         # (0.7 + 1.1 + 1.3 - 0.7 - 1.1) / 5 = 1.3 / 5 = 0.26, unclipped.

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from espo_jax.rl import advantages, losses, reward_adjust
+from espo_jax.rl import advantages, loss_config, losses, reward_adjust
 
 SHAPE = (3, 5)  # fixed so that each loss compiles once
 SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True)
@@ -43,7 +43,7 @@ def batches(draw):
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "gspo_token", "espo"])
 def test_losses_are_finite_for_any_finite_input(name, run_loss):
-    cfg = losses.default_loss_config()
+    cfg = loss_config.default_loss_config()
     cfg.name = name
     cfg.kl_coef = 0.1
     cfg.tis = "sequence" if name.startswith("gspo") else "token"
@@ -66,7 +66,7 @@ def test_losses_are_finite_for_any_finite_input(name, run_loss):
 
 
 def test_fully_masked_batch_gives_zero_loss_and_neutral_metrics(run_loss):
-    cfg = losses.default_loss_config()  # espo
+    cfg = loss_config.default_loss_config()  # espo
     z = np.zeros(SHAPE, np.float32)
     loss, met, grad = run_loss(cfg, z - 1.0, z + 3.0, z + 5.0, z, entropy=z + 1)
     assert loss == 0.0 and not np.any(grad)
