@@ -84,7 +84,10 @@ def exact_match(text: str, answer: Any) -> bool:
 
 def _serve(conn: Connection, reward_fn: Callable, detokenize: Callable | None) -> None:
     """Worker loop (process or thread): receive (task_id, text, answer), send back the score."""
-    conn.send("ready")  # timeouts count from here, not from a slow process start
+    try:
+        conn.send("ready")  # timeouts count from here, not from a slow process start
+    except (OSError, BrokenPipeError):  # the pool was closed before this worker started
+        return
     while True:
         try:
             msg = conn.recv()

@@ -4,6 +4,7 @@ The reward functions live in `reward_pool_fns` (no heavy imports) so process wor
 them by name start fast.
 """
 
+import multiprocessing
 import time
 
 import pytest
@@ -123,3 +124,12 @@ def test_bad_arguments():
     p.close()
     with pytest.raises(RuntimeError, match="after close"):
         p.submit("g", 0, "a", "a")
+
+
+def test_a_worker_whose_pool_closed_before_it_started_ends_quietly():
+    """A pool closed at once may close its end of a thread worker's pipe before the worker
+    says "ready" (seen in CI as an unhandled BrokenPipeError in the thread): the worker loop
+    returns instead of raising."""
+    parent, child = multiprocessing.Pipe(duplex=True)
+    parent.close()
+    assert pool_lib._serve(child, exact_match, None) is None
