@@ -41,8 +41,8 @@ def compiled_grad(config: ModelConfig, seq_len: int):
         config, params, tokens).compile()
 
 
-def temp_bytes(config: ModelConfig, seq_len: int) -> int:
-    return int(compiled_grad(config, seq_len).memory_analysis().temp_size_in_bytes)
+def _temp_bytes(compiled) -> int:
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def measured(seq_lens: tuple[int, ...], chunk: int, repeats: int) -> list[dict]:
@@ -52,24 +52,26 @@ def measured(seq_lens: tuple[int, ...], chunk: int, repeats: int) -> list[dict]:
     for t in seq_lens:
         tokens = jax.random.randint(jax.random.key(1), (1, t), 0, base.vocab_size)
         configs = {"full": base, "chunked": base.replace(attention_chunk=chunk)}
+        grads = {name: compiled_grad(cfg, t) for name, cfg in configs.items()}
         fns = {}
-        for name, cfg in configs.items():
-            grad = compiled_grad(cfg, t)
+        for name, grad in grads.items():
             grad(params, tokens)  # warm-up
             fns[name] = lambda grad=grad, tokens=tokens: jax.block_until_ready(
                 grad(params, tokens))
         seconds = interleaved_medians(fns, repeats)
         rows.append({"seq_len": t, "chunk": chunk,
                      "full_s": seconds["full"], "chunked_s": seconds["chunked"],
-                     "full_temp_bytes": temp_bytes(configs["full"], t),
-                     "chunked_temp_bytes": temp_bytes(configs["chunked"], t)})
+                     "full_temp_bytes": _temp_bytes(grads["full"]),
+                     "chunked_temp_bytes": _temp_bytes(grads["chunked"])})
     return rows
 
 
 def qwen3_layer(seq_lens: tuple[int, ...], chunk: int) -> list[dict]:
-    cfg = get_preset("qwen3_30b_a3b").replace(n_layers=1, moe_every=0, vocab_size=1024)
-    return [{"seq_len": t, "chunk": chunk, "full_temp_bytes": temp_bytes(cfg, t),
-             "chunked_temp_bytes": temp_bytes(cfg.replace(attention_chunk=chunk), t)}
+    full = get_preset("qwen3_30b_a3b").replace(n_layers=1, moe_every=0, vocab_size=1024)
+    chunked = full.replace(attention_chunk=chunk)
+    return [{"seq_len": t, "chunk": chunk,
+             "full_temp_bytes": _temp_bytes(compiled_grad(full, t)),
+             "chunked_temp_bytes": _temp_bytes(compiled_grad(chunked, t))}
             for t in seq_lens]
 
 

@@ -46,9 +46,9 @@ def group_advantages(
         adv = np.asarray(ADVANTAGES[name](rewards[None]))[0] if len(rewards) > 1 else np.zeros(1)
         advs.append(adv)
         zero_var = rewards.max() == rewards.min() and outcomes.all() == outcomes.any()
-        sign = (1.0 if outcomes.all() else -1.0) if (use_zvp and zero_var) else 0.0
-        if sign < 0 and not zvp_wrong:
-            sign = 0.0  # an all-wrong group keeps its (zero) group advantage
+        # Without `zvp_wrong` an all-wrong group keeps its (zero) group advantage.
+        zvp = use_zvp and zero_var and (outcomes.all() or zvp_wrong)
+        sign = (1.0 if outcomes.all() else -1.0) if zvp else 0.0
         signs.append(np.full(len(rewards), sign, np.float32))
     if not advs:
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
