@@ -267,8 +267,8 @@ def broadcast_bytes(payload: bytes | None, chunk_bytes: int = 1 << 26) -> bytes:
 def broadcast_groups(groups: Sequence[Any] | None) -> list[Any]:
     """Process 0's rollout groups on every process (the others pass None), so that all learner
     processes train on the same batch even when they would see the buffer at different moments.
-    Groups travel as buffer records (`espo_jax.rollout.records`)."""
-    from espo_jax.rollout import records
+    Groups travel as buffer records (`espo_jax.buffer.records`)."""
+    from espo_jax.buffer import records
 
     if jax.process_count() == 1:
         return list(groups)

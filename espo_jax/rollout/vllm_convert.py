@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from espo_jax.rollout.records import Response, RolloutGroup
+from espo_jax.buffer.records import Response, RolloutGroup
 
 # vLLM finish reasons -> record finish reasons. "error" is vLLM's retryable internal failure:
 # never recorded (the request must be re-run). "repetition" (opt-in repetition detection) cut the

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from espo_jax.rollout.records import RolloutGroup
+from espo_jax.buffer.records import RolloutGroup
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.vllm_convert import request_output_to_group
 
@@ -315,10 +315,10 @@ def run(
 def weights_source(root: str) -> PolicySource:
     """The newest `(version, hf_dir)` the learner published under `root` (`weights.publish`).
 
-    A version published without `hf_export=True` has no `hf/` directory for vLLM: that raises
+    A version published without `hf_export` has no `hf/` directory for vLLM: that raises
     (the learner must be configured to export), rather than silently sampling an old policy.
     """
-    from espo_jax.rollout import weights
+    from espo_jax.buffer import weights
 
     def latest() -> tuple[int, str] | None:
         found = weights.latest(root)
@@ -329,7 +329,7 @@ def weights_source(root: str) -> PolicySource:
         if not os.path.exists(os.path.join(hf_dir, "config.json")):
             raise FileNotFoundError(
                 f"weights version {version} at {path} has no hf/ export; vLLM workers need the "
-                "learner to publish with hf_export=True"
+                "learner to publish with hf_export (rollout.engine='vllm')"
             )
         return version, hf_dir
 
@@ -387,7 +387,7 @@ def _parser():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from espo_jax.rollout.buffer import BufferWriter
+    from espo_jax.buffer import BufferWriter
 
     args = _parser().parse_args(argv)
     source = weights_source(args.weights_root) if args.weights_root else None

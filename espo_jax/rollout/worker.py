@@ -1,6 +1,6 @@
 """The rollout worker: published weights + prompts -> scored groups in the rollout buffer.
 
-Loop: wait for the first published weights version (`espo_jax.rollout.weights`), then per
+Loop: wait for the first published weights version (`espo_jax.buffer.weights`), then per
 batch: take `prompts_per_batch` prompts from the prompt iterator, load a newer weights version if
 one appeared, generate `n_samples` responses per prompt with the embedded engine while the reward
 pool scores finished groups (`espo_jax.rollout.generate.generate_scored_groups`), write the
@@ -32,9 +32,10 @@ from typing import Any
 
 import jax
 
+from espo_jax.buffer import BufferWriter, weights
+from espo_jax.models.config import ModelConfig
 from espo_jax.rewards.pool import RewardPool
-from espo_jax.rollout import scheduling, weights
-from espo_jax.rollout.buffer import BufferWriter
+from espo_jax.rollout import scheduling
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.generate import generate_scored_groups
 from espo_jax.rollout.sampling import SamplingConfig
@@ -130,7 +131,8 @@ class RolloutWorker:
             if found is None or (self.version is not None and found[0] <= self.version):
                 return
             try:
-                model_config, params = weights.load(found[1])
+                raw, params = weights.load(found[1])
+                model_config = ModelConfig.from_dict(raw, f"{found[1]}/config.json")
             except FileNotFoundError:
                 continue
             c = self.config

@@ -22,10 +22,10 @@ import ml_collections
 import numpy as np
 
 from espo_jax import distributed
+from espo_jax.buffer import BufferReader, weights
 from espo_jax.data.zve_metrics import step_metrics
 from espo_jax.data.zve_pipeline import group_rewards
-from espo_jax.rollout import weights
-from espo_jax.rollout.buffer import BufferReader
+from espo_jax.models import hf_io
 from espo_jax.train.loop import Run, rewarded_groups, zve_group
 from espo_jax.train.metrics import rollout_metrics
 
@@ -86,8 +86,9 @@ class AsyncRun(Run):
         Hugging Face export that vLLM workers load."""
         host = distributed.gather_to_host(params)
         if distributed.is_primary():
-            weights.publish(publish_dir, version, self.setup.model_config, host,
-                            hf_export=self.config.rollout.engine == "vllm")
+            config = self.setup.model_config
+            hf = hf_io.exporter(config, host) if self.config.rollout.engine == "vllm" else None
+            weights.publish(publish_dir, version, config, host, hf_export=hf)
 
     def _dead_workers(self) -> list[str]:
         return [f"{p.name} (exit {p.exitcode})" for p in self.procs if not p.is_alive()]

@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from espo_jax import distributed
+from espo_jax.buffer.records import RolloutGroup
 from espo_jax.rl.advantages import ADVANTAGES
-from espo_jax.rollout.records import RolloutGroup
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import RLBatch, pack_sequences, rl_seq_len
 from espo_jax.train.state import TrainState

@@ -19,14 +19,14 @@ import time
 import jax
 
 from espo_jax import distributed, sharding
+from espo_jax.buffer import BufferReader, BufferWriter
+from espo_jax.buffer.shards import list_shards
 from espo_jax.data.zve_pipeline import ZVEPipeline
 from espo_jax.rewards.pool import RewardPool
 from espo_jax.rollout import scheduling
-from espo_jax.rollout.buffer import BufferReader, BufferWriter
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.generate import generate_scored_groups
 from espo_jax.rollout.sampling import SamplingConfig
-from espo_jax.rollout.shards import list_shards
 from espo_jax.train import setup as setup_lib
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer

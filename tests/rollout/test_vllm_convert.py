@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from espo_jax.rollout import records
+from espo_jax.buffer import records
 from espo_jax.rollout.vllm_convert import (
     RoutingMissingError,
     VllmOutputError,

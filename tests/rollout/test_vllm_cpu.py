@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from espo_jax.models import hf_io
 from espo_jax.rollout import vllm_worker
 from espo_jax.rollout.vllm_worker import (
     VllmUnavailableError,
@@ -106,15 +107,14 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     import jax
 
     from espo_jax import models
-    from espo_jax.rollout import weights
-    from espo_jax.rollout.buffer import BufferReader
+    from espo_jax.buffer import BufferReader, weights
     from espo_jax.rollout.mismatch import measure_mismatch
 
     # vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the tiny preset's 16).
     config = models.get_preset("tiny", head_dim=32)
     params = {v: models.init_params(config, jax.random.key(v)) for v in (1, 2)}
     root, buf = tmp_path / "weights", tmp_path / "buffer"
-    weights.publish(root, 1, config, params[1], hf_export=True)
+    weights.publish(root, 1, config, params[1], hf_export=hf_io.exporter(config, params[1]))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_id": f"p{i}", "tokens": [1, 5 + i, 9, 11]})
                                + "\n" for i in range(4)))
@@ -136,7 +136,7 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
         while not first and proc.poll() is None and time.time() < deadline:
             first = reader.read(100, timeout_s=2.0)
         assert first, f"no group from the worker: {(tmp_path / 'worker.log').read_text()[-3000:]}"
-        weights.publish(root, 2, config, params[2], hf_export=True)
+        weights.publish(root, 2, config, params[2], hf_export=hf_io.exporter(config, params[2]))
         rc = proc.wait(timeout=400)
     finally:
         if proc.poll() is None:

@@ -12,12 +12,12 @@ import jax
 import pytest
 
 from espo_jax import models
+from espo_jax.buffer import BufferReader, weights
+from espo_jax.buffer.shards import list_tmp_files
 from espo_jax.models.tokenizer import CharTokenizer
-from espo_jax.rollout import mismatch, weights
+from espo_jax.rollout import mismatch
 from espo_jax.rollout import worker as worker_lib
-from espo_jax.rollout.buffer import BufferReader
 from espo_jax.rollout.sampling import SamplingConfig
-from espo_jax.rollout.shards import list_tmp_files
 
 CONFIG = models.get_preset("tiny")
 TOK = CharTokenizer()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from espo_jax import configs
-from espo_jax.rollout.records import Response, RolloutGroup
+from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.metrics import MetricLogger, read_jsonl, rollout_metrics

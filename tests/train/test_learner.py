@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from espo_jax import configs, sharding
+from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models.config import get_preset
 from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rl.advantages import rl_zvp
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout.engine import Engine, Request
-from espo_jax.rollout.records import Response, RolloutGroup
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import state as state_lib
 from espo_jax.train.batch import RLBatch

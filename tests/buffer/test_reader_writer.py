@@ -14,9 +14,10 @@ import pytest
 from array_record.python import array_record_module
 from buffer_proc import ids, make_group
 
-from espo_jax.rollout import buffer, shards
-from espo_jax.rollout.buffer import BufferReader, BufferWriter, list_shards, list_tmp_files
-from espo_jax.rollout.records import Response, RolloutGroup, encode
+from espo_jax.buffer import BufferReader, BufferWriter, list_shards, list_tmp_files, shards
+from espo_jax.buffer import reader as reader_lib
+from espo_jax.buffer import writer as writer_lib
+from espo_jax.buffer.records import Response, RolloutGroup, encode
 
 PROC = os.path.join(os.path.dirname(__file__), "buffer_proc.py")
 
@@ -129,7 +130,7 @@ def test_failed_read_leaves_cursor_unmoved(tmp_path, monkeypatch):
     write_groups(tmp_path, "w", tag=0, n=5, per_shard=5)
     reader = BufferReader(tmp_path)
     calls = []
-    real_decode = buffer.decode
+    real_decode = reader_lib.decode
 
     def flaky(raw):
         calls.append(1)
@@ -137,7 +138,7 @@ def test_failed_read_leaves_cursor_unmoved(tmp_path, monkeypatch):
             raise MemoryError("simulated")
         return real_decode(raw)
 
-    monkeypatch.setattr(buffer, "decode", flaky)
+    monkeypatch.setattr(reader_lib, "decode", flaky)
     with pytest.raises(MemoryError):
         reader.read(5)
     assert ids(reader.read(5)) == [[0, k] for k in range(5)]  # groups 0, 1 not lost
@@ -146,7 +147,7 @@ def test_failed_read_leaves_cursor_unmoved(tmp_path, monkeypatch):
 def test_bucket_paths_stage_through_local_disk(tmp_path, monkeypatch):
     # ArrayRecord opens local files only: a bucket directory is staged. Force that code path
     # on a local directory: same shards, same groups.
-    monkeypatch.setattr(buffer, "is_local", lambda path: False)
+    monkeypatch.setattr(writer_lib, "is_local", lambda path: False)
     monkeypatch.setattr(shards, "is_local", lambda path: False)
     write_groups(tmp_path, "w", tag=0, n=5, per_shard=2)
     assert [s.count for s in list_shards(tmp_path)] == [2, 2, 1]
@@ -226,7 +227,7 @@ def test_truncated_shard_and_foreign_record_reported(tmp_path):
     assert reasons[0][:2] == (first.name, "all") and "name says 3" in reasons[0][2]
     assert reasons[1][:2] == (name, 1) and "not a rollout record" in reasons[1][2]
     out = subprocess.run(
-        [sys.executable, "-m", "espo_jax.rollout.buffer", "inspect", str(tmp_path)],
+        [sys.executable, "-m", "espo_jax.buffer", "inspect", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,

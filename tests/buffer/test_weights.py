@@ -2,14 +2,17 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 from espo_jax import models
+from espo_jax.buffer import weights
 from espo_jax.models import hf_io
-from espo_jax.rollout import weights
+from espo_jax.models.config import ModelConfig
 
 CONFIG = models.get_preset("tiny")
 
@@ -38,7 +41,7 @@ def test_publish_load_round_trip(tmp_path, params):
     ]
     assert weights.latest(tmp_path) == (1, path)
     config, loaded = weights.load(path)
-    assert config == CONFIG
+    assert ModelConfig.from_dict(config) == CONFIG
     assert_same_tree(loaded, params)  # bitwise
     with pytest.raises(FileExistsError, match="version 1 already published"):
         weights.publish(tmp_path, 1, CONFIG, params)
@@ -78,11 +81,32 @@ def test_foreign_config_is_a_clear_error(tmp_path, params):
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "n_dragons": 3}))
     with pytest.raises(ValueError, match="does not match this ModelConfig.*n_dragons"):
-        weights.load(path)
+        ModelConfig.from_dict(weights.load(path)[0], "config.json")
 
 
 def test_hf_export_for_vllm_workers(tmp_path, params):
-    path = weights.publish(tmp_path, 2, CONFIG, params, hf_export=True)
+    path = weights.publish(tmp_path, 2, CONFIG, params,
+                           hf_export=hf_io.exporter(CONFIG, params))
     config, loaded = hf_io.from_pretrained(os.fspath(path / "hf"))
     assert config.n_experts == CONFIG.n_experts and config.n_layers == CONFIG.n_layers
     assert_same_tree(loaded, params)
+
+
+def test_params_file_is_flax_msgpack(params):
+    # The buffer writes parameters without JAX; the file stays what flax.serialization reads
+    # and writes (bfloat16 leaves included), so tools on either side interoperate.
+    from flax import serialization
+
+    tree = {**params, "extra": {"bf16": np.arange(6, dtype=np.float32).reshape(2, 3).astype(
+        jax.numpy.bfloat16), "step": np.int32(7).reshape(())}}
+    assert_same_tree(serialization.msgpack_restore(weights.pack_params(tree)), tree)
+    assert_same_tree(weights.unpack_params(serialization.msgpack_serialize(tree)), tree)
+
+
+def test_buffer_package_imports_no_jax():
+    # Rollout workers and inspection tools import the buffer contract; it must not pull JAX in.
+    code = ("import sys, espo_jax.buffer, espo_jax.buffer.weights, espo_jax.buffer.inspect; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

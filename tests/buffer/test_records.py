@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from espo_jax.rollout import records
-from espo_jax.rollout.records import RecordDecodeError, Response, RolloutGroup, decode, encode
+from espo_jax.buffer import records
+from espo_jax.buffer.records import RecordDecodeError, Response, RolloutGroup, decode, encode
 
 
 def make_group(lengths, prompt_len=5, n_experts=None, moe_layers=2, top_k=2, seed=0):

@@ -1,21 +1,19 @@
-"""`python -m espo_jax.rollout.buffer inspect DIR`: what a rollout buffer directory holds.
+"""What a rollout buffer directory holds (`python -m espo_jax.buffer inspect DIR`).
 
 Per shard: writer stream, record count, bytes, bytes per record, policy versions, decode errors;
 then unfinished tmp files, and staleness (current version minus each group's version) against
-`--policy-version` (default: the newest version in the directory).
+`--policy_version` (default: the newest version in the directory).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import sys
 from typing import Any
 
 from etils import epath
 
-from espo_jax.rollout.records import RecordDecodeError, decode
-from espo_jax.rollout.shards import OpenShard, ShardInfo, list_shards, list_tmp_files
+from espo_jax.buffer.records import RecordDecodeError, decode
+from espo_jax.buffer.shards import OpenShard, ShardInfo, list_shards, list_tmp_files
 
 
 def inspect_shard(directory: epath.Path, shard: ShardInfo) -> dict[str, Any]:
@@ -106,19 +104,3 @@ def format_report(report: dict) -> str:
     ]
     lines += [f"  {file} record {index}: {reason}" for file, index, reason in report["errors"]]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m espo_jax.rollout.buffer")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="shards, record counts, policy versions, errors")
-    p.add_argument("directory")
-    p.add_argument("--policy-version", type=int, default=None, help="for staleness")
-    args = parser.parse_args(argv)
-    try:
-        report = inspect_directory(args.directory, args.policy_version)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_report(report))
-    return 1 if report["errors"] else 0

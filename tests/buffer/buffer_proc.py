@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from espo_jax.rollout.buffer import BufferReader, BufferWriter
-from espo_jax.rollout.records import Response, RolloutGroup
+from espo_jax.buffer import BufferReader, BufferWriter
+from espo_jax.buffer.records import Response, RolloutGroup
 
 
 def make_group(tag: int, k: int, policy_version: int = 0) -> RolloutGroup:

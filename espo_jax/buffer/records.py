@@ -1,7 +1,7 @@
 """One rollout record: a prompt group (one prompt, its G responses), encoded to bytes and back.
 
 The rollout side (embedded JAX engine, vLLM worker) builds `RolloutGroup`s; the buffer
-(`espo_jax.rollout.buffer`) stores one encoded group per ArrayRecord record; the learner decodes
+(`espo_jax.buffer`) stores one encoded group per ArrayRecord record; the learner decodes
 them. The record is self-describing and versioned, and `decode` checks everything before it
 returns, so a damaged or foreign record is never silently used.
 
