@@ -69,14 +69,14 @@ def test_anchor_needs_warm_start_levels():
 
 
 def test_step_credit_needs_arith_worked_solutions_and_stage_2():
-    from espo_jax.train import setup as setup_lib
+    from espo_jax import tasks
 
     c = _small()
-    assert setup_lib.reward_fn(c)[1] is None  # the default: the verifier on the answer
+    assert tasks.reward_fn(c)[1] is None  # the default: the verifier on the answer
     c.zve.tie_break.wrong_score = "step_credit"
     c.zve.tie_break.enabled = True
     configs.validate(c, n_devices=1)
-    reward, target = setup_lib.reward_fn(c)
+    reward, target = tasks.reward_fn(c)
     prompt = {"answer": "9", "solution": "a5=5,b+7=12,c-3=9#9"}
     assert reward("a5=5,b+7=12,c-3=8#8", target(prompt)) == {
         "reward": 0.0, "outcome": False, "step_credit": pytest.approx(2 / 3)}
@@ -90,7 +90,7 @@ def test_step_credit_needs_arith_worked_solutions_and_stage_2():
 
 
 def test_model_overrides_apply_only_when_set():
-    from espo_jax.train.setup import preset_model_config
+    from espo_jax.run_setup import preset_model_config
 
     c = _small()
     assert preset_model_config(c).rope_theta == 1e6  # the tiny preset keeps Qwen3's base
@@ -108,7 +108,7 @@ def test_run_choices_apply_to_hugging_face_weights(tmp_path):
     import jax
 
     from espo_jax.models import get_preset, hf_io, init_params
-    from espo_jax.train.setup import load_model
+    from espo_jax.run_setup import load_model
 
     tiny_params = jax.jit(init_params, static_argnums=0)(get_preset("tiny"), jax.random.key(0))
     hf_io.save_pretrained(get_preset("tiny"), tiny_params, str(tmp_path))

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
 from espo_jax import configs, sharding
 from espo_jax.models.transformer import init_boxed
-from espo_jax.train.setup import preset_model_config
+from espo_jax.run_setup import preset_model_config
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                     "qwen3_30b_a3b.py")

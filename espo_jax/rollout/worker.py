@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any
 
 import jax
 
+from espo_jax import run_setup, tasks
 from espo_jax.buffer import BufferWriter, weights
 from espo_jax.models.config import ModelConfig
 from espo_jax.rewards.pool import RewardPool
@@ -327,11 +329,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1)
     Worker `index` of `num_workers` takes every `num_workers`-th prompt starting at `index`
     and its own RNG stream, so workers never duplicate each other's groups.
     """
-    import os
-
-    from espo_jax.train import setup as setup_lib
-
-    setup = setup_lib.build(config, workdir)
+    setup = run_setup.build(config, workdir)
     r = config.rollout
     sampling = SamplingConfig(
         r.temperature, r.top_k, r.top_p, r.max_new_tokens, (setup.tokenizer.eos_id,)
@@ -352,8 +350,8 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1)
         reward_timeout_s=r.reward_timeout_s,
         seed=config.seed * 1000 + index,
     )
-    reward, target_fn = setup_lib.reward_fn(config)
-    decode = setup_lib.char_decode if config.tokenizer == "char" else setup.tokenizer.decode
+    reward, target_fn = tasks.reward_fn(config)
+    decode = tasks.decoder(config, setup.tokenizer)
     mine = [setup.train_prompts[i] for i in range(index, len(setup.train_prompts), num_workers)]
     prompts = itertools.chain.from_iterable(itertools.repeat(mine))
     worker = RolloutWorker(wc, prompts, reward, detokenize=decode, target_fn=target_fn)

@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from espo_jax import distributed, sharding
+from espo_jax import distributed, run_setup, sharding, tasks
 from espo_jax.buffer import BufferReader, BufferWriter
 from espo_jax.buffer.shards import list_shards
 from espo_jax.data.zve_pipeline import ZVEPipeline
@@ -27,7 +27,6 @@ from espo_jax.rollout import scheduling
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.generate import generate_scored_groups
 from espo_jax.rollout.sampling import SamplingConfig
-from espo_jax.train import setup as setup_lib
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.evaluate import evaluate
@@ -89,14 +88,13 @@ class Run:
     def __init__(self, config, workdir: str):
         self.t0 = time.time()
         self.config, self.workdir = config, workdir
-        self.setup = setup_lib.build(config, workdir)
+        self.setup = run_setup.build(config, workdir)
         self.logger = MetricLogger(workdir)
         self.buffer_dir = config.buffer.dir or os.path.join(workdir, "buffer")
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
         self.eval_engine = _engine(self.setup, "fp32")
-        self.decode = (setup_lib.char_decode if config.tokenizer == "char"
-                       else self.setup.tokenizer.decode)
-        self.verify = setup_lib.verifier(config)
+        self.decode = tasks.decoder(config, self.setup.tokenizer)
+        self.verify = tasks.verifier(config)
 
     # -- pieces -----------------------------------------------------------------------------
     def evaluate(self, params, prompts=None) -> dict:
@@ -142,7 +140,7 @@ class Run:
             state = self._new_state(state.params)
         elif c.warmstart.steps > 0:
             # Warm-start progress is measured on samples of its own (train) levels.
-            warm_eval = setup_lib.balanced_subset(self.setup.warm_prompts, c.eval.num_prompts,
+            warm_eval = run_setup.balanced_subset(self.setup.warm_prompts, c.eval.num_prompts,
                                                   c.seed)
             params, done = warm_start(
                 self.setup, state.params,
@@ -230,7 +228,7 @@ class SyncRun(Run):
     def __init__(self, config, workdir: str):
         super().__init__(config, workdir)
         self.engine = _engine(self.setup, config.rollout.precision)
-        reward, self.target_fn = setup_lib.reward_fn(config)
+        reward, self.target_fn = tasks.reward_fn(config)
         self.pool = RewardPool(reward, num_workers=config.rollout.reward_workers,
                                timeout_s=config.rollout.reward_timeout_s,
                                detokenize=self.decode)
