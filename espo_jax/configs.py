@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from espo_jax import sharding
 from espo_jax.models.config import DISPATCHES, PRESETS
 
 REPLAY_MODES = ("r3", "r2", "off")
@@ -113,6 +114,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.expert = 1
     c.mesh.tensor = 1
+    # Logical axis name -> mesh axes, for parameters and the model's activation constraints
+    # (MaxText `logical_axis_rules`); the learner traces its steps under them.
+    c.mesh.rules = sharding.DEFAULT_RULES
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10  # RL steps between checkpoints

@@ -26,6 +26,7 @@ class RunSetup:
     model_config: ModelConfig
     tokenizer: object
     mesh: jax.sharding.Mesh
+    rules: sharding.Rules  # config.mesh.rules: logical axis names -> mesh axes
     train_prompts: Sequence[dict]  # RL prompts (all train levels)
     warm_prompts: Sequence[dict]  # warm-start prompts (the easy levels)
     eval_prompts: Sequence[dict]  # held-out prompts
@@ -86,7 +87,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
                          f"model's vocab_size={model_config.vocab_size} (ESPO's log|V|)")
     n_mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
-    sharding.validate_divisibility(model_config, mesh)
+    rules = sharding.rules_from_config(config.mesh)
+    sharding.validate_divisibility(model_config, mesh, rules)
     if not distributed.is_primary():  # process 0 prepares the TFDS data, the others wait
         distributed.sync("prompt_sources")
     train, warm, test = tasks.prompt_sources(config, workdir, tokenizer)
@@ -95,5 +97,5 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     if config.data.rl_prompts:
         train = balanced_subset(train, config.data.rl_prompts, seed=config.seed)
     eval_prompts = balanced_subset(test, config.eval.num_prompts, seed=config.seed)
-    return RunSetup(config, workdir, model_config, tokenizer, mesh, train, warm, eval_prompts,
-                    hf_params)
+    return RunSetup(config, workdir, model_config, tokenizer, mesh, rules, train, warm,
+                    eval_prompts, hf_params)

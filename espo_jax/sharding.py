@@ -1,9 +1,11 @@
 """Device meshes and parameter sharding from logical axis names (MaxText style).
 
 The model names the axes of every weight logically ("embed", "heads", "kv_heads", "mlp",
-"vocab", "exp", "norm") and of activations ("batch", "length", "embed"); `ShardingConfig.rules`
-maps those names to the four mesh axes `data`, `fsdp`, `expert`, `tensor`. Expert weights
-[E, ...] are split on `expert`; the batch on `data` x `fsdp`.
+"vocab", "exp", "norm") and of activations ("batch", "length", "embed"); the run's
+`config.mesh.rules` (default `DEFAULT_RULES`, read with `rules_from_config`) maps those names to
+the four mesh axes `data`, `fsdp`, `expert`, `tensor`. Expert weights [E, ...] are split on
+`expert`; the batch on `data` x `fsdp`. The learner traces its steps under the same rules
+(`activation_sharding`), so the model's activation constraints act in training.
 
 Initialisation never materialises the whole model on one device: `jax.eval_shape` gives the
 abstract parameters with their logical axes, the rules give `NamedSharding`s, and
@@ -42,6 +44,31 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("norm", None),
 )
+
+
+LOGICAL_AXES = ("batch", "length", "exp", "embed", "vocab", "heads", "kv_heads", "mlp", "norm")
+
+
+def rules_from_config(mesh_config: Any) -> Rules:
+    """`mesh_config.rules` as `Rules` (tuples, whatever sequence type the config holds),
+    checked: every logical name known, every mesh axis one of MESH_AXES (or None)."""
+    rules, errors = [], []
+    for entry in mesh_config.rules:
+        if isinstance(entry, str) or len(entry) != 2:
+            errors.append(f"{entry!r} is not a (logical name, mesh axes) pair")
+            continue
+        name, axes = entry
+        if isinstance(axes, (list, tuple)):
+            axes = tuple(axes)
+        for axis in (axes,) if axes is None or isinstance(axes, str) else axes:
+            if axis is not None and axis not in MESH_AXES:
+                errors.append(f"{name!r} -> {axis!r}: mesh axes are {MESH_AXES}")
+        if name not in LOGICAL_AXES:
+            errors.append(f"unknown logical axis {name!r}; the model names {LOGICAL_AXES}")
+        rules.append((name, axes))
+    if errors:
+        raise ValueError("config.mesh.rules: " + "; ".join(errors))
+    return tuple(rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +173,10 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh,
     return jax.device_put(params, param_shardings(config, mesh, rules))
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-    """Sharding of a [B, ...] input: the batch axis over the mesh axes of the `batch` rule."""
-    spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules)
-    return NamedSharding(mesh, PartitionSpec(*spec))
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """Sharding of any [B, ...] input (a batch pytree's every leaf): its first axis over the
+    mesh axes of the `batch` rule, the other axes replicated."""
+    return NamedSharding(mesh, PartitionSpec(*nn.logical_to_mesh_axes(("batch",), rules)))
 
 
 @contextlib.contextmanager
@@ -171,8 +198,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "ShardingConfig", "activation_sharding",
+    "DEFAULT_RULES", "LOGICAL_AXES", "MESH_AXES", "ShardingConfig", "activation_sharding",
     "addressable_shard_shapes", "batch_sharding", "init_sharded", "logical_specs",
     "logical_to_mesh_shardings", "make_mesh", "mesh_shape", "param_shardings", "replicated",
+    "rules_from_config",
     "shard_params", "validate_divisibility",
 ]

@@ -20,18 +20,14 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from espo_jax import distributed
+from espo_jax import distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
 from espo_jax.rl.advantages import ADVANTAGES
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import RLBatch, pack_sequences, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
-
-BATCH_AXES = ("data", "fsdp")
 
 
 def group_advantages(
@@ -80,8 +76,9 @@ class Learner:
         self.moe_shape = (
             (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None
         )
-        rows_sharding = NamedSharding(mesh, P(BATCH_AXES))
-        replicated = NamedSharding(mesh, P())
+        self.rules = sharding.rules_from_config(config.mesh)
+        rows_sharding = sharding.batch_sharding(mesh, self.rules)
+        replicated = sharding.replicated(mesh)
         self.batch_sharding = rows_sharding
         kw = dict(
             model_config=model_config,
@@ -89,18 +86,18 @@ class Learner:
             chunk_size=config.train.logprob_chunk,
         )
         batch_shardings = jax.tree.map(lambda _: rows_sharding, self._example_batch())
-        self._old_pass = jax.jit(
+        self._old_pass = self._under_rules(jax.jit(
             functools.partial(step_lib.old_policy_pass, **kw),
             in_shardings=(state_shardings.params, batch_shardings),
             out_shardings=None,
-        )
+        ))
         self.ref_params = None  # the KL penalty's reference policy (`set_reference`)
         self._anchor = None  # worked solutions of the supervised anchor (`set_anchor`)
-        self._ref_pass = jax.jit(
+        self._ref_pass = self._under_rules(jax.jit(
             functools.partial(step_lib.reference_pass, **kw),
             in_shardings=(state_shardings.params, None),  # the batch as put (after old pass)
             out_shardings=None,
-        )
+        ))
         # A copy in new buffers: the train step donates the state, the reference must outlive it.
         self._copy = jax.jit(lambda tree: jax.tree.map(lambda x: x + 0, tree),
                              in_shardings=(state_shardings.params,),
@@ -152,13 +149,27 @@ class Learner:
         started from. The learner keeps its own copy."""
         self.ref_params = self._copy(params)
 
+    def _under_rules(self, fn):
+        """`fn` traced under the run's logical-axis rules (`config.mesh.rules`): the model's
+        activation constraints act on this learner's mesh. jit keeps its first trace, so the
+        rules must be set on every call that may trace."""
+
+        @functools.wraps(fn)
+        def call(*args):
+            with sharding.activation_sharding(self.mesh, self.rules):
+                return fn(*args)
+
+        return call
+
     def _run_compiled(self, name: str, fn, *args):
         """`fn(*args)` through its ahead-of-time executable, compiled (and its memory report
-        logged) on the first call; inputs keep one shape, so it compiles once."""
+        logged) on the first call, traced under the logical-axis rules; inputs keep one shape,
+        so it compiles once."""
         exe = self._compiled.get(name)
         if exe is None:
             start = time.time()
-            exe = fn.lower(*args).compile()
+            with sharding.activation_sharding(self.mesh, self.rules):
+                exe = fn.lower(*args).compile()
             self._compiled[name] = exe
             self.memory_report[name] = report = memory_report(exe)
             logging.info("compiled %s in %.1f s; memory (bytes): %s", name,

@@ -109,8 +109,9 @@ class Run:
         s = self.setup
         if s.hf_params is not None:
             return distributed.put_global(s.hf_params,
-                                          sharding.param_shardings(s.model_config, s.mesh))
-        return sharding.init_sharded(s.model_config, s.mesh, rng=jax.random.key(self.config.seed))
+                                          sharding.param_shardings(s.model_config, s.mesh, s.rules))
+        return sharding.init_sharded(s.model_config, s.mesh, s.rules,
+                                     rng=jax.random.key(self.config.seed))
 
     def _new_state(self, params):
         # The schedule counts optimiser updates: updates_per_batch per RL step.
