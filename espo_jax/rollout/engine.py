@@ -27,15 +27,15 @@ from `espo_jax.models.quant`; router and LM head stay fp32). FP8 weights are deq
 dequantises in every forward instead, a quarter of the weight memory). MoE dispatch
 is always exact (a "capacity" config is switched to "dropless": dropping tokens would make a
 sample depend on its batch neighbours). The jit-compiled pieces are in
-`espo_jax.rollout.decode`; this module holds the `Engine` and its continuous-batching driver.
+`espo_jax.rollout.decode`, the continuous-batching driver in `espo_jax.rollout.batching`; this
+module holds the `Engine`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,13 @@ import numpy as np
 from espo_jax import models
 from espo_jax.models import quant
 from espo_jax.models.config import ModelConfig
-from espo_jax.rollout import scheduling
+from espo_jax.rollout import batching
+from espo_jax.rollout.batching import (  # noqa: F401  (re-exported)
+    Generation,
+    GenerationGroup,
+    Request,
+    request_key,
+)
 from espo_jax.rollout.decode import (  # noqa: F401  (re-exported: the engine's public types)
     DONE,
     PRECISIONS,
@@ -57,39 +63,6 @@ from espo_jax.rollout.decode import (  # noqa: F401  (re-exported: the engine's 
     prefill_jit,
 )
 from espo_jax.rollout.sampling import SamplingConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One prompt to sample `n_samples` responses for (None: the driver's default G)."""
-
-    prompt_id: Hashable
-    tokens: Sequence[int]
-    n_samples: int | None = None
-    seed: int | None = None  # RNG stream of this request; default its index in the batch
-    max_new_tokens: int | None = None  # None: the sampling config's
-
-
-@dataclasses.dataclass
-class Generation:
-    """One response: fields named as `records.Response` so both feed `measure_mismatch`."""
-
-    tokens: np.ndarray  # int32 [R]
-    logprobs: np.ndarray  # float32 [R]
-    routed_experts: np.ndarray | None  # int16 [P + R, M, k], -1 = no routing; None if dense
-    finish_reason: str  # "stop" | "length"
-
-
-@dataclasses.dataclass
-class GenerationGroup:
-    request_index: int
-    prompt_id: Hashable
-    prompt_tokens: np.ndarray  # int32 [P]
-    responses: list[Generation]
-
-
-def request_key(rng: jax.Array, seed: int, sample_idx: int) -> jax.Array:
-    return jax.random.fold_in(jax.random.fold_in(rng, seed), sample_idx)
 
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -261,176 +234,13 @@ class Engine:
         """`steps_per_sync` decode steps; tokens [steps, B] sampled (-1 where a slot was idle)."""
         return generate_jit(self.config, self.steps_per_sync, params, decode_state)
 
-    # -- driver ------------------------------------------------------------------------------
-    def _check(self, requests: Sequence[Request], n_samples: int, sampling) -> None:
-        for i, r in enumerate(requests):
-            max_new = r.max_new_tokens or sampling.max_new_tokens
-            limit = self.max_cache_len - max_new
-            if not 1 <= len(r.tokens) <= limit:
-                raise ValueError(
-                    f"request {i} (prompt {r.prompt_id!r}) has {len(r.tokens)} prompt tokens; "
-                    f"need 1..{limit} (max_cache_len {self.max_cache_len} - max_new_tokens "
-                    f"{max_new})"
-                )
-            if (r.n_samples or n_samples) < 1:
-                raise ValueError(f"request {i}: n_samples must be >= 1")
-            bad = [t for t in r.tokens if not 0 <= int(t) < self.config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {i}: token ids {bad[:5]} outside the vocabulary "
-                    f"[0, {self.config.vocab_size})"
-                )
 
-    @staticmethod
-    def _collect(host: tuple, slot: int, stop_tokens) -> tuple[Generation, int]:
-        """Slot `slot`'s response from `host` = device_get((pos_B, prompt_len_B, tokens_BxS,
-        logprobs_BxS, experts_BxSxMxk)), one transfer for every slot finished at a sync."""
-        pos_B, prompt_len_B, tokens_BxS, logprobs_BxS, experts = host
-        pos, n = int(pos_B[slot]), int(prompt_len_B[slot])
-        tokens = tokens_BxS[slot, n : pos + 1]
-        stopped = int(tokens[-1]) in stop_tokens
-        gen = Generation(
-            np.array(tokens, np.int32),
-            np.array(logprobs_BxS[slot, n : pos + 1], np.float32),
-            np.array(experts[slot, : pos + 1], np.int16) if experts.shape[2] else None,
-            "stop" if stopped else "length",
-        )
-        return gen, len(tokens)
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
 
-    def _prefill_blocks(self, requests: Sequence[Request]) -> list[list[int]]:
-        """The request list cut into prefill calls: requests of one padded length, in index
-        order, `prefill_rows` at a time. A prompt's prefix depends on its block (batched float
-        sums), so blocks are fixed by the request list alone, never by admission timing."""
-        by_len: dict[int, list[int]] = {}
-        for i, r in enumerate(requests):
-            by_len.setdefault(self.prefill_len(len(r.tokens)), []).append(i)
-        return [idx[c : c + self.prefill_rows] for _, idx in sorted(by_len.items())
-                for c in range(0, len(idx), self.prefill_rows)]
-
-    def _admit(self, params, state, requests, rng, sps, blocks, prefixes, admitted):
-        """Starts `admitted` = [(slot, request, sample)]: prefills the blocks of requests not
-        yet prefilled, then inserts one call per prefix block."""
-        for i in sorted({i for _, i, _ in admitted}):
-            if i in prefixes:
-                continue
-            block = blocks[i]
-            prefix = self.prefill_many(params, [requests[j].tokens for j in block],
-                                       rows=self.prefill_rows)
-            prefixes.update({j: (prefix, row) for row, j in enumerate(block)})
-        calls: dict[int, tuple[Prefix, list]] = {}
-        for slot, i, g in admitted:
-            prefix, row = prefixes[i]
-            seed = i if requests[i].seed is None else requests[i].seed
-            calls.setdefault(id(prefix), (prefix, []))[1].append(
-                (slot, row, request_key(rng, seed, g), sps[i]))
-        for prefix, entries in calls.values():
-            state = self.insert_many(prefix, state, entries, pad_to=self.max_slots)
-        return state
-
-    def generate_groups(
-        self,
-        requests: Sequence[Request],
-        *,
-        n_samples: int = 1,
-        rng: jax.Array | None = None,
-        params: dict | None = None,
-        admission: str = "fifo",
-        predictor: scheduling.LengthPredictor | None = None,
-        on_group: Callable[[GenerationGroup], None] | None = None,
-        stop: Callable[[], bool] | None = None,
-        sampling: SamplingConfig | None = None,
-    ) -> list[GenerationGroup]:
-        """Samples every request's responses with continuous batching; groups in request order.
-
-        admission: "fifo" or "longest_first" (by `predictor.predict(prompt_id)`). `on_group` is
-        called with each group as soon as its last sample finishes (completion order), e.g. to
-        start scoring it while decoding goes on. `sampling` overrides the engine's for this call
-        (no recompilation). `stop` is polled at every sync: when it returns True the samples in
-        flight are abandoned and only the groups already complete are returned (in request
-        order; `last_stats["engine/abandoned_samples"]` counts the rest). Figures of the run go
-        to `self.last_stats`.
-        """
-        params = self.params if params is None else params
-        if params is None:
-            raise ValueError("Engine has no weights: pass params or call load_params first")
-        if admission == "longest_first" and predictor is None:
-            raise ValueError("admission='longest_first' needs a LengthPredictor")
-        sampling = sampling or self.sampling
-        self._check(requests, n_samples, sampling)
-        sps = [
-            self.slot_sampling(
-                dataclasses.replace(
-                    sampling, max_new_tokens=r.max_new_tokens or sampling.max_new_tokens
-                )
-            )
-            for r in requests
-        ]
-        rng = jax.random.key(0) if rng is None else rng
-        predicted = [predictor.predict(r.prompt_id) if predictor else 0.0 for r in requests]
-        queue = [
-            (i, g)
-            for i in scheduling.admission_order(predicted, admission)
-            for g in range(requests[i].n_samples or n_samples)
-        ]
-        queue.reverse()  # pop() from the end
-        start = time.perf_counter()
-        state = self.init_decode_state()
-        owner: list[tuple[int, int] | None] = [None] * self.max_slots
-        blocks = {i: block for block in self._prefill_blocks(requests) for i in block}
-        prefixes: dict[int, tuple[Prefix, int]] = {}
-        pending: dict[int, dict[int, Generation]] = {}
-        groups: dict[int, GenerationGroup] = {}
-        syncs = generated = 0
-        stopped = False
-        while queue or any(o is not None for o in owner):
-            if self._stop.is_set() or (stop is not None and stop()):
-                stopped = True
-                break
-            admitted = []
-            for slot in range(self.max_slots):
-                if owner[slot] is None and queue:
-                    owner[slot] = queue.pop()
-                    admitted.append(slot)
-            if admitted:
-                state = self._admit(params, state, requests, rng, sps, blocks, prefixes,
-                                    [(slot, *owner[slot]) for slot in admitted])
-            state, _ = self.generate(params, state)
-            syncs += 1
-            phase = np.asarray(state.phase_B)
-            finished = [slot for slot in np.flatnonzero(phase == DONE) if owner[slot] is not None]
-            host = jax.device_get((state.pos_B, state.prompt_len_B, state.tokens_BxS,
-                                   state.logprobs_BxS, state.experts_BxSxMxk)) if finished else None
-            for slot in finished:
-                (i, g), owner[slot] = owner[slot], None
-                gen, n = self._collect(host, slot, sampling.stop_tokens)
-                generated += n
-                pending.setdefault(i, {})[g] = gen
-                want = requests[i].n_samples or n_samples
-                if len(pending[i]) == want:
-                    r = requests[i]
-                    done = pending.pop(i)
-                    prefixes.pop(i, None)
-                    groups[i] = GenerationGroup(
-                        i,
-                        r.prompt_id,
-                        np.asarray(r.tokens, np.int32),
-                        [done[k] for k in range(want)],
-                    )
-                    if on_group is not None:
-                        on_group(groups[i])
-        wall = time.perf_counter() - start
-        slot_steps = syncs * self.steps_per_sync * self.max_slots
-        busy = int(state.busy_steps)
-        self.last_stats = {
-            "engine/wall_s": wall,
-            "engine/generated_tokens": float(generated),
-            "engine/tokens_per_s": generated / wall if wall > 0 else 0.0,
-            "engine/decode_steps": float(syncs * self.steps_per_sync),
-            "engine/idle_slot_frac": 1.0 - busy / slot_steps if slot_steps else 0.0,
-            "engine/abandoned_samples": float(
-                sum(o is not None for o in owner) + len(queue) + sum(map(len, pending.values()))
-            )
-            if stopped
-            else 0.0,
-        }
-        return [groups[i] for i in range(len(requests)) if i in groups]
+    def generate_groups(self, requests: Sequence[Request], **kwargs) -> list[GenerationGroup]:
+        """Samples every request's responses with continuous batching, groups in request order:
+        `espo_jax.rollout.batching.generate_groups(self, requests, **kwargs)` (its arguments:
+        n_samples, rng, params, admission, predictor, on_group, stop, sampling)."""
+        return batching.generate_groups(self, requests, **kwargs)
