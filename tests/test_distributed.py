@@ -1,6 +1,6 @@
 """Multi-host learner: topology resolution, and a real two-process `jax.distributed` run on CPU.
 
-The two-process run (`tests/distributed_proc.py`): 2 processes with 4 fake CPU devices each,
+The two-process run (`tests/helpers/distributed_proc.py`): 2 processes with 4 fake CPU devices each,
 joined through a coordinator on a free localhost port (CPU collectives: gloo, the JAX 0.10
 default), one mesh data=2 x expert=4 over the 8 global devices; 2 learner updates on fixed
 rollout groups; a multi-host orbax checkpoint saved and restored. The reference is one process
@@ -19,7 +19,7 @@ import pytest
 from espo_jax import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROC = os.path.join(ROOT, "tests", "distributed_proc.py")
+PROC = os.path.join(ROOT, "tests", "helpers", "distributed_proc.py")
 
 
 # ---- resolve: where the topology comes from ----------------------------------------------------

@@ -12,14 +12,14 @@ import time
 import numpy as np
 import pytest
 from array_record.python import array_record_module
-from buffer_proc import ids, make_group
+from helpers.buffer_proc import ids, make_group
 
 from espo_jax.buffer import BufferReader, BufferWriter, list_shards, list_tmp_files, shards
 from espo_jax.buffer import reader as reader_lib
 from espo_jax.buffer import writer as writer_lib
 from espo_jax.buffer.records import Response, RolloutGroup, encode
 
-PROC = os.path.join(os.path.dirname(__file__), "buffer_proc.py")
+PROC = os.path.join(os.path.dirname(__file__), "..", "helpers", "buffer_proc.py")
 
 
 def write_groups(directory, writer_id, tag, n, per_shard, policy_version=0):

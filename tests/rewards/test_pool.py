@@ -1,14 +1,14 @@
 """RewardPool with real worker processes and threads: scoring, failures, timeouts, overlap.
 
-The reward functions live in `reward_pool_fns` (no heavy imports) so process workers that import
-them by name start fast.
+The reward functions live in `tests/helpers/reward_pool_fns.py` (no heavy imports) so process
+workers that import them by name start fast.
 """
 
 import multiprocessing
 import time
 
 import pytest
-from reward_pool_fns import decode_until_zero, exact_match, sleepy
+from helpers.reward_pool_fns import decode_until_zero, exact_match, sleepy
 
 from espo_jax.rewards import pool as pool_lib
 

@@ -1,7 +1,8 @@
 """One learner process of the multi-host test (`tests/test_distributed.py`).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=N [ESPO_COORDINATOR=host:port
-    ESPO_NUM_PROCESSES=P ESPO_PROCESS_ID=i] python tests/distributed_proc.py WORKDIR OUT_PREFIX
+    ESPO_NUM_PROCESSES=P ESPO_PROCESS_ID=i] \
+    python tests/helpers/distributed_proc.py WORKDIR OUT_PREFIX
 
 Joins the JAX system from the ESPO_* environment (`espo_jax.distributed.initialize`), builds
 the mesh data=2 x expert=4 over all 8 global devices, initialises the tiny MoE sharded, trains
