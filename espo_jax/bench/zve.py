@@ -1,7 +1,7 @@
 """MS-ZVE benchmark: generated tokens that carry no gradient, stage by stage, at equal budget.
 
     python -m espo_jax.bench zve [--quick] [--out FILE.json]
-    python -m espo_jax.bench.zve --init_from WORKDIR [--prompts N] [--budget TOKENS] [--out F]
+    python -m espo_jax.bench zve --init_from WORKDIR [--prompts N] [--budget TOKENS] [--out F]
 
 One policy, held fixed: the `small` model of the `arith_chains` experiment after its supervised
 warm start (restored from the orbax checkpoints of a main-job WORKDIR with `--init_from`, else
@@ -16,7 +16,7 @@ it has generated the same budget of tokens.
 
 A generated token is wasted (carries no gradient) when its group is not trained on (dropped by
 the online filter) or is trained on with all-equal rewards while RL-ZVP is off
-(`zve_metrics.step_metrics`). Stage 0's offline samples are all wasted: they estimate pass rates
+(`zve.metrics.step_metrics`). Stage 0's offline samples are all wasted: they estimate pass rates
 and are never trained on; they count against the budget of every configuration with stage 0.
 Generation is a deterministic function of the policy, the call number and the plan, so
 configurations making the same request share one generation (`numbered`): one offline pass
@@ -26,12 +26,9 @@ accounting but not what is sampled, cost no extra generation.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -40,8 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 import ml_collections
 
 from espo_jax.bench import format_table
-from espo_jax.data.prompt_scheduler import ACTIVE
-from espo_jax.data.zve_pipeline import Rollout, ZVEPipeline
+from espo_jax.zve import ACTIVE, RETIRED, Rollout, ZVEPipeline
 
 STAGES = ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire")
 LABELS = ("plain GRPO", "+0 offline prune", "+1 adaptive samples", "+2 tie-break",
@@ -109,7 +105,7 @@ def spend_budget(prompts: Sequence[Mapping], config: ml_collections.ConfigDict,
                  seed: int = 0, offline_rollout: Rollout | None = None) -> Spend:
     """Runs `ZVEPipeline` steps of `groups_per_step` groups until `budget_tokens` are generated.
 
-    `rollout(plan)` is the pipeline's callback (groups with "prompt_id", "outcomes", "lengths");
+    `rollout(plan)` is the pipeline's callback (scored `RolloutGroup`s, one per plan entry);
     `offline_rollout` (default `rollout`) serves stage 0's pass, so callers can share one pass.
     The last step may overshoot the budget; totals count what was generated. When stage 0
     leaves no prompt and nothing can bring one back (retirement off), the run stops early with
@@ -139,12 +135,12 @@ def spend_budget(prompts: Sequence[Mapping], config: ml_collections.ConfigDict,
         s.trained_groups += len(batch)
         s.signal_groups += int(m["zve/effective_batch"])
     s.refill_exhausted = zve.filter.exhausted
-    s.retired_end = zve.scheduler.status.count("retired")
+    s.retired_end = zve.scheduler.status.count(RETIRED)
     s.wall_s = time.perf_counter() - start
     return s
 
 
-Generate = Callable[[int, list], list[dict]]
+Generate = Callable[[int, list], list]  # (call number, plan) -> RolloutGroups
 
 
 def numbered(generate: Generate, cache: dict | None = None) -> Rollout:
@@ -155,7 +151,8 @@ def numbered(generate: Generate, cache: dict | None = None) -> Rollout:
     answered is answered again from it: `generate` is a deterministic function of both, so
     configurations that make the same requests (stage 2 and 3 change rewards and accounting,
     not what is sampled; one offline pass serves every configuration with stage 0) share one
-    generation instead of repeating it.
+    generation instead of repeating it. The groups themselves are shared: MS-ZVE never writes
+    to a group.
     """
     calls = itertools.count()
 
@@ -165,8 +162,8 @@ def numbered(generate: Generate, cache: dict | None = None) -> Rollout:
         if cache is None:
             return generate(i, plan)
         if key not in cache:
-            cache[key] = [dict(g) for g in generate(i, plan)]
-        return [dict(g) for g in cache[key]]  # the pipeline adds "rewards" to its copies
+            cache[key] = list(generate(i, plan))
+        return list(cache[key])
 
     return rollout
 
@@ -186,13 +183,9 @@ def engine_rollout(engine, pool, *, seed: int, n_experts: int | None) -> Generat
         groups = generate_scored_groups(engine, pool, plan, rng=key, policy_version=0,
                                         n_experts=n_experts, admission="longest_first",
                                         predictor=predictor)
-        out = []
         for g in groups:
-            lengths = [r.length for r in g.responses]
-            predictor.observe(g.prompt_id, lengths)
-            out.append({"prompt_id": g.prompt_id, "lengths": lengths,
-                        "outcomes": [int(bool(r.outcome)) for r in g.responses]})
-        return out
+            predictor.observe(g.prompt_id, [r.length for r in g.responses])
+        return groups
 
     return generate
 
@@ -202,7 +195,7 @@ def bench_config(quick: bool, prompts: int | None, init_from: str | None
     """The default experiment's config (`arith_config`), sized for this benchmark."""
     from espo_jax import configs
 
-    c = configs.arith_config("small" if quick else None, loss_name="espo")
+    c = configs.experiment_config("arith_espo", "small" if quick else None)
     c.data.rl_prompts = prompts or (QUICK_PROMPTS if quick else FULL_PROMPTS)
     if quick:  # level 1 ("3+5=") only: a tiny model learns it in a few dozen steps
         c.data.train_levels = c.data.eval_levels = c.warmstart.levels = (1,)
@@ -314,28 +307,3 @@ def run(quick: bool, *, init_from: str | None = None, budget_tokens: int | None 
             "zve": config.zve.to_dict(),
             "configurations": {k: v.figures() for k, v in results.items()}}
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m espo_jax.bench.zve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model, a run under a minute")
-    p.add_argument("--init_from", default=None,
-                   help="main-job WORKDIR (or its checkpoints/) holding the warm-started params")
-    p.add_argument("--budget", type=int, default=None, help="generated tokens per configuration")
-    p.add_argument("--prompts", type=int, default=None, help="RL prompt pool size")
-    p.add_argument("--out", default=None, help="write the figures to this JSON file")
-    args = p.parse_args(argv)
-    if args.init_from and not os.path.isdir(args.init_from):
-        p.error(f"--init_from {args.init_from!r} is not a directory")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    figures = run(args.quick, init_from=args.init_from, budget_tokens=args.budget,
-                  prompts=args.prompts)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "zve", "quick": args.quick, **figures}, f, indent=2)
-        print(f"figures written to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

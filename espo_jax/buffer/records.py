@@ -167,6 +167,13 @@ class RolloutGroup:
         return np.array([r.reward for r in self.responses], dtype=np.float32)
 
     @property
+    def step_credits(self) -> np.ndarray:
+        """float32 [G] `reward_components["step_credit"]` (0 where a response has none): the
+        score MS-ZVE's tie-break ranks wrong responses by (`zve.tie_break.wrong_score`)."""
+        return np.array([r.reward_components.get("step_credit", 0.0) for r in self.responses],
+                        dtype=np.float32)
+
+    @property
     def has_routing(self) -> bool:
         """True when the responses carry routed experts (MoE sampler)."""
         return any(r.routed_experts is not None for r in self.responses)

@@ -1,4 +1,5 @@
-"""Shaped rewards on top of the binary outcome: MS-ZVE stage 2, tie-breaking.
+"""Shaped rewards on top of the binary outcome: MS-ZVE stage 2, tie-breaking (the reward math;
+`espo_jax.zve.tie_break` applies it to each rollout group).
 
 A group whose responses are all right has no reward contrast, so group-relative advantages are
 zero. A bounded length term inside the correct tier breaks the tie (shorter right answers rank
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from espo_jax.rl.reward_adjust import tiered_rewards
+from espo_jax.rewards.reward_adjust import tiered_rewards
 
 PREFER = ("shorter", "longer")
 

@@ -2,6 +2,9 @@
 
 Small `jnp` functions, each with its formula. `rl_zvp` is MS-ZVE's actor-update stage: groups
 whose rewards carry no contrast get entropy-shaped per-token advantages instead of zeros.
+`zero_variance` (the zero-variance predicate) and `zvp_signs` (RL-ZVP's per-group sign) are
+the only definitions of both in the code base: written with array methods, they serve numpy
+callers (the learner, `espo_jax.zve`'s online filter and metrics) and JAX ones alike.
 Shapes: N prompt groups, G responses per group, T token positions.
 """
 
@@ -43,14 +46,36 @@ ADVANTAGES: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def zero_variance_mask(values_NxG: jax.Array, atol: float = 0.0) -> jax.Array:
-    """Bool `[N]`: True where every response of the group has the same value (max - min <= atol).
+def zero_variance(values_NxG, atol: float = 0.0):
+    """Bool `[N]`: True where every response of the group has the same value (max == min, or
+    max - min <= atol for a Python float atol > 0, which needs numeric values).
 
-    Pass binary outcomes for MS-ZVE filtering (never a shaped score), rewards to ask whether
-    group normalisation has any contrast left.
+    THE zero-variance predicate: RL-ZVP (`zvp_signs`, `rl_zvp`), the learner's signs, MS-ZVE's
+    online filter and its metrics all call it. Array methods only, so numpy arrays give numpy
+    and JAX arrays JAX (no dtype cast: pass what is to be compared). Pass binary outcomes for
+    MS-ZVE filtering (never a shaped score), rewards to ask whether group normalisation has any
+    contrast left. Groups of different sizes: call it per group on `values[None]`.
     """
-    v = jnp.asarray(values_NxG, jnp.float32)
-    return (v.max(axis=-1) - v.min(axis=-1)) <= atol
+    hi, lo = values_NxG.max(axis=-1), values_NxG.min(axis=-1)
+    if atol == 0.0:
+        return hi == lo
+    return (hi == lo) | (hi - lo <= atol)
+
+
+def zvp_signs(rewards_NxG, outcomes_NxG, wrong_groups: bool = True):
+    """int32 `[N]` RL-ZVP sign per group: +1 for a zero-variance group whose responses are all
+    correct (outcome > 0), -1 for an all-wrong one (only with `wrong_groups`; without it an
+    all-wrong group keeps its zero group advantage), 0 otherwise.
+
+    A group is zero-variance when its rewards are all equal (no contrast for the base advantage)
+    AND its binary outcomes are all equal: a group whose shaped rewards differ (MS-ZVE stage 2
+    broke the tie) is not. Array methods only, like `zero_variance` (numpy or JAX in, same out).
+    """
+    correct = outcomes_NxG > 0
+    zv = zero_variance(rewards_NxG) & zero_variance(correct)
+    right = zv & correct.all(axis=-1)
+    wrong = zv & ~correct.any(axis=-1) & bool(wrong_groups)
+    return right.astype("int32") - wrong.astype("int32")
 
 
 def rl_zvp(
@@ -70,6 +95,7 @@ def rl_zvp(
       all wrong:                  A_t = -alpha * (max_{t' in y_i} H_t' - sg(H_t))
     Every other group gets ADVANTAGES[base](rewards) broadcast over its tokens. Masked tokens
     get 0. A group whose shaped rewards differ (MS-ZVE stage 2 broke the tie) is not zero-variance.
+    The signs are `zvp_signs` (rewards compared in float32).
     """
     if base not in ADVANTAGES:
         raise ValueError(f"unknown base advantage {base!r}; valid: {sorted(ADVANTAGES)}")
@@ -80,11 +106,8 @@ def rl_zvp(
         )
     if outcomes_NxG.shape != rewards_NxG.shape:
         raise ValueError(f"outcomes {outcomes_NxG.shape} must match rewards {rewards_NxG.shape}")
-    correct = outcomes_NxG > 0
-    zv = zero_variance_mask(rewards_NxG) & zero_variance_mask(correct)
-    sign_NxG = jnp.broadcast_to(
-        jnp.where(zv & correct.all(axis=-1), 1, jnp.where(zv & ~correct.any(axis=-1), -1, 0))
-        [:, None], rewards_NxG.shape)
+    signs = zvp_signs(jnp.asarray(rewards_NxG, jnp.float32), jnp.asarray(outcomes_NxG))
+    sign_NxG = jnp.broadcast_to(signs[:, None], rewards_NxG.shape)
     base_NxGxT = jnp.broadcast_to(ADVANTAGES[base](rewards_NxG)[:, :, None], mask_NxGxT.shape)
     return zvp_token_advantages(base_NxGxT, sign_NxG, entropy_NxGxT, mask_NxGxT, alpha)
 

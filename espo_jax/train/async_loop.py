@@ -23,11 +23,9 @@ import numpy as np
 
 from espo_jax import distributed
 from espo_jax.buffer import BufferReader, weights
-from espo_jax.data.zve_metrics import step_metrics
-from espo_jax.data.zve_pipeline import group_rewards
 from espo_jax.models import hf_io
-from espo_jax.train.loop import Run, rewarded_groups, zve_group
-from espo_jax.train.metrics import rollout_metrics
+from espo_jax.train.loop import Run, trained_rollout_metrics
+from espo_jax.zve import OnlineFilter, ScoredGroup, groups_and_rewards, score_groups, step_metrics
 
 
 def _worker_main(config_json: str, workdir: str, index: int) -> None:
@@ -67,19 +65,15 @@ def stop_workers(procs: list[mp.Process], timeout_s: float = 120.0) -> list[int]
 class AsyncRun(Run):
     """Learner side of the async layout; `run()` returns the summary dict."""
 
-    def _groups(self, reader: BufferReader, n: int, version: int) -> list:
-        """`n` groups from the buffer (blocking), as MS-ZVE group dicts."""
+    def _groups(self, reader: BufferReader, n: int, version: int) -> list[ScoredGroup]:
+        """`n` groups from the buffer (blocking), each with its MS-ZVE (stage 2) rewards."""
         read = []
         while distributed.is_primary() and len(read) < n:  # process 0 reads, all train on it
             read += reader.read(n - len(read), timeout_s=600.0, policy_version=version)
             if self._dead_workers():
                 raise RuntimeError(f"rollout workers died: {self._dead_workers()}")
-        out = [zve_group(g)
-               for g in distributed.broadcast_groups(read if distributed.is_primary() else None)]
-        for g in out:
-            g["rewards"] = group_rewards(g, self.config.zve.tie_break,
-                                         self.config.rollout.max_new_tokens)
-        return out
+        groups = distributed.broadcast_groups(read if distributed.is_primary() else None)
+        return score_groups(groups, self.config.zve.tie_break, self.config.rollout.max_new_tokens)
 
     def _publish(self, publish_dir: str, version: int, params) -> None:
         """All processes gather the parameters (a collective); process 0 writes them, with the
@@ -105,8 +99,6 @@ class AsyncRun(Run):
         reader = BufferReader(self.buffer_dir, cursor=meta["cursor"],
                               max_staleness=c.train.max_staleness,
                               retention="keep" if c.buffer.keep_consumed else "delete")
-        from espo_jax.data.online_filter import OnlineFilter
-
         online = OnlineFilter.for_zve(c.zve)
         self.procs = start_workers(c, self.workdir) if distributed.is_primary() else []
         try:
@@ -117,16 +109,16 @@ class AsyncRun(Run):
                 zmetrics = step_metrics(result.generated, result.batch,
                                         zvp_enabled=c.zve.zvp.enabled)
                 zmetrics.update(online.metrics(result))
-                groups = rewarded_groups(result.batch)
+                groups, rewards = groups_and_rewards(result.batch)
                 lags = [step - g.policy_version for g in groups]
                 t_update = time.time()
-                state, lmetrics = learner.update(state, groups)
+                state, lmetrics = learner.update(state, groups, rewards)
                 t_publish = time.time()
                 step += 1
                 self._publish(publish_dir, step, state.params)
                 t_done = time.time()
                 self.record_step(meta, step, zmetrics, lmetrics)
-                metrics = {**zmetrics, **lmetrics, **rollout_metrics(groups),
+                metrics = {**zmetrics, **lmetrics, **trained_rollout_metrics(groups, rewards),
                            "async/staleness_max": float(max(lags, default=0)),
                            "async/staleness_mean": float(np.mean(lags)) if lags else 0.0,
                            "async/stale_dropped": float(reader.stats["stale_dropped"]),

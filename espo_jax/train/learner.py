@@ -1,11 +1,13 @@
 """The learner: rollout groups in, optimiser updates out.
 
-`Learner.update(groups)` turns a rollout batch into fixed-shape minibatches (advantages on the
-host, per group, so groups may have different sizes), runs the old-policy pass on all of them
-(router replay, mismatch metrics), then one optimiser update per minibatch. A rollout batch
-that fits one minibatch skips the separate old-policy pass: its only update runs at the old
-parameters, so the update's own forward gives the old log-probs (`step.rl_loss(fused=True)`;
-one forward of the batch less per step). The update steps are jitted with explicit shardings
+`Learner.update(state, groups, rewards)` turns a rollout batch (the groups and, parallel to
+them, each group's float32 rewards: MS-ZVE's, `espo_jax.zve`; the records are not read for
+rewards) into fixed-shape minibatches (advantages on the host, per group, so groups may have
+different sizes), runs the old-policy pass on all of them (router replay, mismatch metrics),
+then one optimiser update per minibatch. A rollout batch that fits one minibatch skips the
+separate old-policy pass: its only update runs at the old parameters, so the update's own
+forward gives the old log-probs (`step.rl_loss(fused=True)`; one forward of the batch less per
+step). The update steps are jitted with explicit shardings
 and donation of the train state, and compiled ahead of time on their first inputs
 (`jit(...).lower(...).compile()`), logging XLA's memory report (`Learner.memory_report`).
 """
@@ -23,7 +25,7 @@ import numpy as np
 
 from espo_jax import distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
-from espo_jax.rl.advantages import ADVANTAGES
+from espo_jax.rl.advantages import ADVANTAGES, zvp_signs
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import RLBatch, pack_sequences, rl_seq_len
 from espo_jax.train.state import TrainState
@@ -31,21 +33,29 @@ from espo_jax.train.warmstart import sft_batch
 
 
 def group_advantages(
-    groups: Sequence[RolloutGroup], name: str, use_zvp: bool, zvp_wrong: bool = True
+    groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray], name: str, use_zvp: bool,
+    zvp_wrong: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per response (groups concatenated): advantages and the RL-ZVP sign (+1 all-correct,
-    -1 all-wrong zero-variance group, 0 otherwise). Rewards must be set (scored groups)."""
+    """Per response (groups concatenated): advantages of `rewards` (one float32 array per
+    group, in the groups' order) and the RL-ZVP sign (`rl.advantages.zvp_signs`: +1 all-correct,
+    -1 all-wrong zero-variance group, 0 otherwise; 0 everywhere without `use_zvp`). Outcomes
+    are the responses' binary `outcome`; the responses' `reward` fields are not read."""
+    if len(rewards) != len(groups):
+        raise ValueError(f"group_advantages: {len(rewards)} reward arrays for {len(groups)} "
+                         f"groups")
     advs, signs = [], []
-    for g in groups:
-        rewards = np.array([r.reward for r in g.responses], np.float32)
+    for g, group_rewards in zip(groups, rewards, strict=True):
+        rewards_g = np.asarray(group_rewards, np.float32)
+        if rewards_g.shape != (g.num_responses,):
+            raise ValueError(f"group_advantages: group {g.prompt_id!r} has {g.num_responses} "
+                             f"responses but rewards of shape {rewards_g.shape}")
         outcomes = np.array([bool(r.outcome) for r in g.responses])
-        adv = np.asarray(ADVANTAGES[name](rewards[None]))[0] if len(rewards) > 1 else np.zeros(1)
+        adv = (np.asarray(ADVANTAGES[name](rewards_g[None]))[0] if len(rewards_g) > 1
+               else np.zeros(1))
         advs.append(adv)
-        zero_var = rewards.max() == rewards.min() and outcomes.all() == outcomes.any()
         # Without `zvp_wrong` an all-wrong group keeps its (zero) group advantage.
-        zvp = use_zvp and zero_var and (outcomes.all() or zvp_wrong)
-        sign = (1.0 if outcomes.all() else -1.0) if zvp else 0.0
-        signs.append(np.full(len(rewards), sign, np.float32))
+        sign = float(zvp_signs(rewards_g[None], outcomes[None], zvp_wrong)[0]) if use_zvp else 0.0
+        signs.append(np.full(len(rewards_g), sign, np.float32))
     if not advs:
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
     return np.concatenate(advs).astype(np.float32), np.concatenate(signs)
@@ -194,10 +204,12 @@ class Learner:
             moe_shape=self.moe_shape,
         )
 
-    def minibatches(self, groups: Sequence[RolloutGroup]) -> list[RLBatch]:
-        """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`."""
+    def minibatches(self, groups: Sequence[RolloutGroup],
+                    rewards: Sequence[np.ndarray]) -> list[RLBatch]:
+        """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`
+        (advantages from `rewards`, one float32 array per group)."""
         adv, signs = group_advantages(
-            groups, self.config.advantage.name, self.config.zve.zvp.enabled,
+            groups, rewards, self.config.advantage.name, self.config.zve.zvp.enabled,
             self.config.zve.zvp.wrong_groups,
         )
         flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
@@ -217,14 +229,16 @@ class Learner:
             )
         return batches
 
-    def update(self, state: TrainState, groups: Sequence[RolloutGroup]):
+    def update(self, state: TrainState, groups: Sequence[RolloutGroup],
+               rewards: Sequence[np.ndarray]):
         """Old-policy pass over the whole rollout batch, then one update per minibatch (a
-        batch of one minibatch: one fused update, see the module docstring).
+        batch of one minibatch: one fused update, see the module docstring). `rewards`: one
+        float32 array per group (MS-ZVE's, `zve.groups_and_rewards`).
 
         Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
         # Each process transfers only the rows of its own devices (the same on one process).
         batches = [distributed.put_batch(b, self.batch_sharding)
-                   for b in self.minibatches(groups)]
+                   for b in self.minibatches(groups, rewards)]
         kl = self.config.loss.kl_coef > 0
         if kl and self.ref_params is None:
             raise ValueError("loss.kl_coef > 0 needs the reference policy: call "

@@ -17,11 +17,11 @@ import os
 import time
 
 import jax
+import numpy as np
 
 from espo_jax import distributed, run_setup, sharding, tasks
 from espo_jax.buffer import BufferReader, BufferWriter
 from espo_jax.buffer.shards import list_shards
-from espo_jax.data.zve_pipeline import ZVEPipeline
 from espo_jax.rewards.pool import RewardPool
 from espo_jax.rollout import scheduling
 from espo_jax.rollout.engine import Engine
@@ -33,6 +33,7 @@ from espo_jax.train.evaluate import evaluate
 from espo_jax.train.learner import Learner
 from espo_jax.train.metrics import MetricLogger, rollout_metrics
 from espo_jax.train.warmstart import warm_seq_len, warm_start
+from espo_jax.zve import ZVEPipeline, groups_and_rewards
 
 
 def _engine(setup, precision: str) -> Engine:
@@ -59,22 +60,17 @@ def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
     return removed
 
 
-def zve_group(group) -> dict:
-    """A buffer `RolloutGroup` as the group dict MS-ZVE works on (binary outcomes, lengths,
-    step credits where the reward function gave them)."""
-    return {"prompt_id": group.prompt_id, "group": group,
-            "outcomes": [int(bool(r.outcome)) for r in group.responses],
-            "lengths": [r.length for r in group.responses],
-            "credits": [r.reward_components.get("step_credit", 0.0) for r in group.responses]}
-
-
-def rewarded_groups(batch: list[dict]) -> list:
-    """The `RolloutGroup`s of MS-ZVE's training batch, with MS-ZVE's (possibly stage-2 shaped)
-    rewards written into their responses: what the learner's advantages read."""
-    for b in batch:
-        for r, reward in zip(b["group"].responses, b["rewards"], strict=True):
-            r.reward = float(reward)
-    return [b["group"] for b in batch]
+def trained_rollout_metrics(groups, rewards) -> dict[str, float]:
+    """`rollout_metrics` of the groups a step trains on, with `rollout/reward_*` of the rewards
+    the learner trains with (MS-ZVE's, possibly stage-2 shaped; one array per group), not the
+    reward function's in the records."""
+    metrics = rollout_metrics(groups)
+    if rewards:
+        flat = np.concatenate([np.asarray(r, np.float32) for r in rewards]).astype(np.float64)
+        if flat.size:
+            metrics["rollout/reward_mean"] = float(flat.mean())
+            metrics["rollout/reward_max"] = float(flat.max())
+    return metrics
 
 
 class Run:
@@ -269,7 +265,7 @@ class SyncRun(Run):
             if len(read) != len(groups):
                 raise RuntimeError(f"buffer returned {len(read)} of {len(groups)} groups; "
                                    f"reader errors: {list(reader.errors)[-3:]}")
-            return [zve_group(g) for g in read]
+            return read
 
         if step == 0 and c.zve.offline.enabled and c.train.steps > 0:
             self.engine.load_params(state.params)
@@ -281,13 +277,14 @@ class SyncRun(Run):
             rounds[0] = 0
             self.engine.load_params(state.params)
             batch, zmetrics = zve.step(c.rollout.prompts_per_step, rollout)
-            groups = rewarded_groups(batch)
+            groups, rewards = groups_and_rewards(batch)
             t_update = time.time()
-            state, lmetrics = learner.update(state, groups)
+            state, lmetrics = learner.update(state, groups, rewards)
             t_done = time.time()
             step += 1
             self.record_step(meta, step, zmetrics, lmetrics)
-            metrics = {**zmetrics, **lmetrics, **self.pool.metrics(), **rollout_metrics(groups),
+            metrics = {**zmetrics, **lmetrics, **self.pool.metrics(),
+                       **trained_rollout_metrics(groups, rewards),
                        "time/step_s": t_done - t_step, "time/rollout_s": t_update - t_step,
                        "time/update_s": t_done - t_update}
             if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:

@@ -4,14 +4,16 @@ real engine + reward pool on a tiny random model."""
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 
 from espo_jax.bench import zve as bench
-from espo_jax.data.zve_config import default_zve_config
+from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import get_preset, init_params
 from espo_jax.rewards.pool import RewardPool
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.zve.config import default_zve_config
 
 # Scripted policy: p0 always right, p1 always wrong, p2 and p3 mixed; every response of pi
 # has LENGTHS[i] tokens. With G = 2 one epoch (each prompt once) generates
@@ -19,6 +21,14 @@ from espo_jax.rollout.sampling import SamplingConfig
 LENGTHS = {"p0": 3, "p1": 5, "p2": 7, "p3": 11}
 OUTCOMES = {"p0": [1, 1], "p1": [0, 0], "p2": [1, 0], "p3": [0, 1]}
 PROMPTS = [{"prompt_id": pid} for pid in LENGTHS]
+
+
+def _group(pid, outcomes, length):
+    """A scored RolloutGroup: every response `length` tokens."""
+    responses = [Response(tokens=np.full(length, 3, np.int32), logprobs=np.zeros(length),
+                          outcome=o, reward=float(o)) for o in outcomes]
+    return RolloutGroup(prompt_id=pid, prompt_tokens=np.array([1], np.int32), policy_version=0,
+                        sampler="test", created_at=0.0, responses=responses)
 
 
 class ScriptedPolicy:
@@ -33,8 +43,8 @@ class ScriptedPolicy:
         for p, n in plan:
             pid, j = p["prompt_id"], self.drawn[p["prompt_id"]]
             self.drawn[pid] += n
-            out.append({"prompt_id": pid, "lengths": [LENGTHS[pid]] * n,
-                        "outcomes": [OUTCOMES[pid][(j + i) % 2] for i in range(n)]})
+            out.append(_group(pid, [OUTCOMES[pid][(j + i) % 2] for i in range(n)],
+                              LENGTHS[pid]))
         return out
 
 
@@ -148,11 +158,11 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
     s = bench.spend_budget(prompts, c, bench.numbered(recording, cache), budget_tokens=60,
                            groups_per_step=3, max_len=6)
     # every response has 1..6 tokens: 3 groups x 4 responses = 12..72 tokens a step
-    assert all(1 <= n <= 6 for g in seen for n in g["lengths"])
-    assert s.tokens == sum(sum(g["lengths"]) for g in seen) >= 60
-    flat = sum(len(set(g["outcomes"])) == 1 for g in seen)
+    assert all(1 <= n <= 6 for g in seen for n in g.response_lengths)
+    assert s.tokens == sum(int(g.response_lengths.sum()) for g in seen) >= 60
+    flat = sum(len(set(g.outcomes)) == 1 for g in seen)
     assert (s.groups, s.zero_variance_groups, s.signal_groups) == (len(seen), flat, len(seen))
-    assert 0 < sum(sum(g["outcomes"]) for g in seen) < 4 * len(seen)  # both outcomes occur
+    assert 0 < sum(g.outcomes.sum() for g in seen) < 4 * len(seen)  # both outcomes occur
     assert pool.metrics()["reward/failed"] == 0 and calls == list(range(s.steps))
     # the same requests again: answered from the cache, generating nothing ...
     again = bench.spend_budget(prompts, c, bench.numbered(recording, cache), budget_tokens=60,

@@ -99,7 +99,8 @@ def main(workdir: str, out_prefix: str) -> None:
 
     # put_batch (each process transfers its own rows) == device_put (all rows, checked equal
     # on every process), and the rows this process feeds.
-    host_batch = learner.minibatches(make_groups(1))[0]
+    groups = make_groups(1)
+    host_batch = learner.minibatches(groups, [g.rewards for g in groups])[0]
     via_put = distributed.gather_to_host(distributed.put_batch(host_batch, learner.batch_sharding))
     via_device_put = distributed.gather_to_host(jax.device_put(host_batch,
                                                                learner.batch_sharding))
@@ -126,7 +127,8 @@ def main(workdir: str, out_prefix: str) -> None:
     losses = []
     for seed in (1, 2):
         distributed.sync(f"update{seed}")
-        state, metrics = learner.update(state, make_groups(seed))
+        groups = make_groups(seed)
+        state, metrics = learner.update(state, groups, [g.rewards for g in groups])
         losses.append(metrics["train/loss"])
     trained = flat(distributed.gather_to_host(state.params))
     start = flat(initial)

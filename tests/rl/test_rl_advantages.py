@@ -35,12 +35,32 @@ def test_dr_grpo_and_rloo_by_hand():
     assert set(adv.ADVANTAGES) == {"grpo", "dr_grpo", "rloo"}
 
 
-def test_zero_variance_mask():
-    outcomes = jnp.array([[1, 1, 1], [0, 0, 0], [1, 0, 1]])
-    np.testing.assert_array_equal(adv.zero_variance_mask(outcomes), [True, True, False])
-    np.testing.assert_array_equal(
-        adv.zero_variance_mask(jnp.array([[0.5, 0.5 + 1e-9], [0.2, 0.3]]), atol=1e-6), [1, 0]
-    )
+def test_zero_variance_on_numpy_and_jax():
+    outcomes = [[1, 1, 1], [0, 0, 0], [1, 0, 1]]
+    for xp in (np, jnp):  # the one predicate serves numpy callers (learner, MS-ZVE) and JAX
+        got = adv.zero_variance(xp.asarray(outcomes))
+        assert isinstance(got, np.ndarray if xp is np else jax.Array)
+        np.testing.assert_array_equal(got, [True, True, False])
+        np.testing.assert_array_equal(adv.zero_variance(xp.asarray(outcomes) > 0),
+                                      [True, True, False])
+        np.testing.assert_array_equal(
+            adv.zero_variance(xp.asarray([[0.5, 0.5 + 1e-9], [0.2, 0.3]]), atol=1e-6), [1, 0])
+    assert adv.zero_variance(np.array([[0.5, 0.5 + 1e-9]])).tolist() == [False]  # atol 0: exact
+
+
+def test_zvp_signs_by_hand():
+    # rows: all right and tied (+1), all wrong and tied (-1), mixed (0), all right but the
+    # tie broken by stage 2 (rewards differ: 0), a single right response (+1)
+    rewards = [[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.2, 1.0]]
+    outcomes = [[1, 1], [0, 0], [1, 0], [1, 1]]
+    for xp in (np, jnp):
+        signs = adv.zvp_signs(xp.asarray(rewards, xp.float32), xp.asarray(outcomes))
+        np.testing.assert_array_equal(signs, [1, -1, 0, 0])
+        assert signs.dtype == np.int32
+        no_wrong = adv.zvp_signs(xp.asarray(rewards, xp.float32), xp.asarray(outcomes),
+                                 wrong_groups=False)
+        np.testing.assert_array_equal(no_wrong, [1, 0, 0, 0])
+    assert adv.zvp_signs(np.array([[0.7]]), np.array([[True]])).tolist() == [1]
 
 
 def test_rl_zvp_by_hand():

@@ -19,27 +19,36 @@ from espo_jax.train.batch import RLBatch
 from espo_jax.train.learner import Learner, group_advantages
 from espo_jax.train.step import token_advantages
 
+# The records' own `reward` (the reward function's): the learner must not read it, it trains on
+# the rewards it is given (MS-ZVE's).
+RECORD_REWARD = -5.0
 
-def _group(rewards, outcomes, pid="p", tokens_per_response=3):
+
+def _group(outcomes, pid="p", tokens_per_response=3):
     responses = [
         Response(tokens=np.full(tokens_per_response, 5), logprobs=np.zeros(tokens_per_response),
-                 outcome=o, reward=r)
-        for r, o in zip(rewards, outcomes, strict=True)
+                 outcome=o, reward=RECORD_REWARD)
+        for o in outcomes
     ]
     return RolloutGroup(prompt_id=pid, prompt_tokens=np.array([1, 4]), policy_version=0,
                         sampler="test", created_at=0.0, responses=responses)
 
 
+def _rewards(rows):
+    return [np.asarray(r, np.float32) for r in rows]
+
+
 # ---- advantages -----------------------------------------------------------------------------
 def test_group_advantages_grpo_and_zero_variance_signs():
-    groups = [
-        _group([1.0, 0.0, 0.0, 1.0], [1, 0, 0, 1]),  # mixed, G=4
-        _group([1.0, 1.0, 1.0], [1, 1, 1]),  # all correct, G=3
-        _group([0.0, 0.0], [0, 0]),  # all wrong, G=2
-        _group([1.0, 0.9], [1, 1]),  # all correct, tie broken by a length term: not ZV
-        _group([1.0], [1]),  # a single response
-    ]
-    adv, sign = group_advantages(groups, "grpo", use_zvp=True)
+    rewards = _rewards([
+        [1.0, 0.0, 0.0, 1.0],  # mixed, G=4
+        [1.0, 1.0, 1.0],  # all correct, G=3
+        [0.0, 0.0],  # all wrong, G=2
+        [1.0, 0.9],  # all correct, tie broken by a length term: not ZV
+        [1.0],  # a single response
+    ])
+    groups = [_group(o) for o in ([1, 0, 0, 1], [1, 1, 1], [0, 0], [1, 1], [1])]
+    adv, sign = group_advantages(groups, rewards, "grpo", use_zvp=True)
     # Mixed: mean 0.5, std 0.5 -> (r - 0.5) / (0.5 + 1e-6) = +-0.999998.
     a = 0.5 / (0.5 + 1e-6)
     # Tie-broken: mean 0.95, std 0.05 -> +-0.05 / (0.05 + 1e-6) = +-0.99998.
@@ -49,16 +58,20 @@ def test_group_advantages_grpo_and_zero_variance_signs():
     np.testing.assert_array_equal(sign, [0, 0, 0, 0, 1, 1, 1, -1, -1, 0, 0, 1])
     assert adv.dtype == np.float32 and sign.dtype == np.float32
     # zve.zvp.wrong_groups=False: only all-correct groups get RL-ZVP; all-wrong ones keep 0.
-    adv_c, sign_c = group_advantages(groups, "grpo", use_zvp=True, zvp_wrong=False)
+    adv_c, sign_c = group_advantages(groups, rewards, "grpo", use_zvp=True, zvp_wrong=False)
     np.testing.assert_array_equal(sign_c, [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1])
     np.testing.assert_array_equal(adv_c, adv)
-    _, sign_off = group_advantages(groups, "grpo", use_zvp=False)
+    _, sign_off = group_advantages(groups, rewards, "grpo", use_zvp=False)
     np.testing.assert_array_equal(sign_off, np.zeros(12))
     # RLOO on the mixed group: G/(G-1) * (r - mean) = 4/3 * +-0.5 = +-2/3.
-    adv_rloo, _ = group_advantages(groups[:1], "rloo", use_zvp=False)
+    adv_rloo, _ = group_advantages(groups[:1], rewards[:1], "rloo", use_zvp=False)
     np.testing.assert_allclose(adv_rloo, [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
-    empty_adv, empty_sign = group_advantages([], "grpo", use_zvp=True)
+    empty_adv, empty_sign = group_advantages([], [], "grpo", use_zvp=True)
     assert empty_adv.shape == empty_sign.shape == (0,)
+    with pytest.raises(ValueError, match="4 reward arrays for 5 groups"):
+        group_advantages(groups, rewards[:4], "grpo", use_zvp=True)
+    with pytest.raises(ValueError, match="3 responses but rewards of shape \\(2,\\)"):
+        group_advantages(groups[1:2], rewards[2:3], "grpo", use_zvp=True)
 
 
 def _rl_batch(adv, sign, entropy, mask):
@@ -113,9 +126,8 @@ def test_token_advantages_agree_with_rl_zvp():
     entropy = rng.uniform(0.0, 3.0, (4, 3, 7)).astype(np.float32)
     lengths = rng.integers(1, 8, (4, 3))
     mask = (np.arange(7) < lengths[..., None]).astype(np.float32)
-    groups = [_group(list(r), list(o.astype(int)), pid=str(i)) for i, (r, o) in
-              enumerate(zip(rewards, outcomes, strict=True))]
-    adv, sign = group_advantages(groups, "grpo", use_zvp=True)
+    groups = [_group(list(o.astype(int)), pid=str(i)) for i, o in enumerate(outcomes)]
+    adv, sign = group_advantages(groups, list(rewards), "grpo", use_zvp=True)
     np.testing.assert_array_equal(sign, np.repeat([0, 1, -1, 0], 3))
     ours = _token_adv(_rl_batch(adv, sign, entropy.reshape(12, 7), mask.reshape(12, 7)), 0.25)
     ref = rl_zvp(rewards, outcomes, entropy, mask, 0.25)
@@ -213,16 +225,17 @@ def learner_setup():
 
 
 def _groups(generated, rewards, logp_shift=0.0):
+    """(groups, rewards): what `Learner.update` takes. The records carry `RECORD_REWARD`."""
     out = []
     for gen, rs in zip(generated, rewards, strict=True):
         responses = [Response(tokens=r.tokens, logprobs=r.logprobs + logp_shift,
                               routed_experts=r.routed_experts, finish_reason=r.finish_reason,
-                              outcome=bool(rw == 1.0), reward=rw)
+                              outcome=bool(rw == 1.0), reward=RECORD_REWARD)
                      for r, rw in zip(gen.responses, rs, strict=True)]
         out.append(RolloutGroup(prompt_id=gen.prompt_id, prompt_tokens=gen.prompt_tokens,
                                 policy_version=0, sampler="jax-fp32", created_at=0.0,
                                 responses=responses, n_experts=8))
-    return out
+    return out, _rewards(rewards)
 
 
 def _host(tree):
@@ -234,7 +247,7 @@ def test_update_changes_params_and_reports_mismatch(learner_setup):
     state = make_state(params)
     before = _host(state.params)
     # Group "a" has contrast; group "b" is all-correct (zero-variance: RL-ZVP advantages).
-    state, m = learner.update(state, _groups(generated, [[1.0, 0.0], [1.0, 1.0]]))
+    state, m = learner.update(state, *_groups(generated, [[1.0, 0.0], [1.0, 1.0]]))
     after = _host(state.params)
     assert any(not np.array_equal(x, y) for x, y in zip(before, after, strict=True))
     assert all(np.isfinite(x).all() for x in after)
@@ -257,7 +270,7 @@ def test_update_mismatch_metrics_measure_a_known_shift(learner_setup):
     # |delta| = 0.1; log(pi_sampler / pi_learner) = 0.1, so the k3 KL estimate is
     # exp(-0.1) - 1 + 0.1 = 0.0048374 and the importance weight is exp(-0.1) = 0.904837.
     _, m = learner.update(make_state(params),
-                          _groups(generated, [[1.0, 0.0], [0.0, 1.0]], logp_shift=0.1))
+                          *_groups(generated, [[1.0, 0.0], [0.0, 1.0]], logp_shift=0.1))
     assert m["mismatch/mean_abs_logp"] == pytest.approx(0.1, abs=1e-4)
     assert m["train/max_abs_logp_mismatch"] == pytest.approx(0.1, abs=1e-3)
     assert m["mismatch/kl_k3"] == pytest.approx(0.0048374, abs=2e-5)
@@ -270,14 +283,14 @@ def test_update_skips_a_nan_minibatch(learner_setup):
     before = _host((state.params, state.opt_state))
     # A NaN reward makes group "b"'s advantages (its whole minibatch) NaN: that update is
     # skipped and counted; group "a"'s minibatch still updates.
-    state, m = learner.update(state, _groups(generated, [[1.0, 0.0], [np.nan, 1.0]]))
+    state, m = learner.update(state, *_groups(generated, [[1.0, 0.0], [np.nan, 1.0]]))
     assert int(state.skipped) == 1 and int(state.step) == 2
     assert m["train/skipped_update"] == 0.5  # mean over the 2 minibatches
     assert any(not np.array_equal(x, y)
                for x, y in zip(before, _host((state.params, state.opt_state)), strict=True))
     # Every minibatch NaN: parameters and optimiser state stay bitwise as they were.
     before = _host((state.params, state.opt_state))
-    state, m = learner.update(state, _groups(generated, [[np.nan, 0.0], [np.nan, 1.0]]))
+    state, m = learner.update(state, *_groups(generated, [[np.nan, 0.0], [np.nan, 1.0]]))
     assert int(state.skipped) == 3 and m["train/skipped_update"] == 1.0
     for x, y in zip(before, _host((state.params, state.opt_state)), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -299,7 +312,7 @@ def test_replay_modes(learner_setup):
         later minibatches start from parameters that Adam's first step, lr * g / |g|, has
         moved by +-lr wherever float noise flips the sign of a near-zero gradient)."""
         lrn = learners[mode]
-        batch = jax.device_put(lrn.minibatches(groups)[0], lrn.batch_sharding)
+        batch = jax.device_put(lrn.minibatches(*groups)[0], lrn.batch_sharding)
         batch, m_old = lrn._old_pass(params, batch)
         _, m = lrn._train_step(make_state(params), batch, None)
         return {k: float(v) for k, v in {**m_old, **m}.items()}
@@ -314,7 +327,7 @@ def test_replay_modes(learner_setup):
     # Recordings forced to experts {0, 1} at every token: the flip rate reports the
     # disagreement, and only r3 trains through the forced experts.
     forced = _groups(generated, rewards)
-    for g in forced:
+    for g in forced[0]:
         for r in g.responses:
             r.routed_experts = np.where(r.routed_experts >= 0, np.array([0, 1], np.int16), -1)
     f3, f2 = first_update("r3", forced), first_update("r2", forced)
@@ -337,11 +350,11 @@ def test_single_minibatch_update_fuses_the_old_policy_pass(learner_setup):
     # Contrast in group "a", an all-correct group "b" (RL-ZVP reads the old entropies), and a
     # behaviour log-prob shift the mismatch metrics must see.
     groups = _groups(generated, [[1.0, 0.0], [1.0, 1.0]], logp_shift=0.05)
-    batch = jax.device_put(lrn.minibatches(groups)[0], lrn.batch_sharding)
+    batch = jax.device_put(lrn.minibatches(*groups)[0], lrn.batch_sharding)
     batch, m_old = lrn._old_pass(params, batch)
     _, m_sep = lrn._train_step(make_state(params), batch, None)
     expected = {k: float(v) for k, v in {**m_old, **m_sep}.items()}
-    state, m = lrn.update(make_state(params), groups)
+    state, m = lrn.update(make_state(params), *groups)
     assert int(state.step) == 1 and set(lrn._compiled) == {"fused_step"}
     for key in ("train/loss", "train/grad_norm", "pg/loss", "mismatch/mean_abs_logp",
                 "mismatch/max_abs_logp", "mismatch/kl_k3", "entropy/mean",
@@ -378,7 +391,7 @@ def test_update_moves_probability_towards_the_rewarded_response(learner_setup):
     model_config = get_preset("tiny")
     groups = _groups(generated, [[1.0, 0.0], [0.0, 1.0]])
     before = [_response_logp(model_config, params, generated[0], j) for j in (0, 1)]
-    state, _ = learner.update(make_state(params), groups)
+    state, _ = learner.update(make_state(params), *groups)
     after = [_response_logp(model_config, state.params, generated[0], j) for j in (0, 1)]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
 
@@ -392,11 +405,11 @@ def test_kl_penalty_pulls_towards_the_reference(learner_setup):
     lrn = Learner(c, learner.model_config, learner.mesh, state_shardings)
     flat = _groups(generated, [[1.0, 1.0], [0.0, 0.0]])
     with pytest.raises(ValueError, match="set_reference"):
-        lrn.update(make_state(params), flat)
+        lrn.update(make_state(params), *flat)
     lrn.set_reference(params)
 
     def kl_at(p):
-        batch = jax.device_put(lrn.minibatches(flat)[0], lrn.batch_sharding)
+        batch = jax.device_put(lrn.minibatches(*flat)[0], lrn.batch_sharding)
         batch, _ = lrn._old_pass(p, batch)
         batch = lrn._ref_pass(lrn.ref_params, batch)
         _, m = lrn._train_step(make_state(p), batch, None)
@@ -404,14 +417,14 @@ def test_kl_penalty_pulls_towards_the_reference(learner_setup):
 
     assert abs(kl_at(params)) < 1e-6  # the policy is its own reference
     # Two policy-gradient updates at lr 1e-2 (the plain learner) move the policy away...
-    state, _ = learner.update(make_state(params), _groups(generated, [[1.0, 0.0], [0.0, 1.0]]))
+    state, _ = learner.update(make_state(params), *_groups(generated, [[1.0, 0.0], [0.0, 1.0]]))
     moved = jax.tree.map(lambda x: x + 0, state.params)
     kl_moved = kl_at(moved)
     assert kl_moved > 1e-4
     # ...and updates with the KL term alone bring it back (k3 estimate of KL(pi || ref)).
     state = make_state(moved)
     for _ in range(3):
-        state, m = lrn.update(state, flat)
+        state, m = lrn.update(state, *flat)
     assert kl_at(state.params) < 0.5 * kl_moved
 
 
@@ -431,16 +444,16 @@ def test_anchor_teaches_worked_solutions_during_rl(learner_setup):
     lrn = Learner(c, learner.model_config, learner.mesh, state_shardings)
     flat = _groups(generated, [[1.0, 1.0], [0.0, 0.0]])
     with pytest.raises(ValueError, match="set_anchor"):
-        lrn.update(make_state(params), flat)
+        lrn.update(make_state(params), *flat)
     with pytest.raises(ValueError, match="warmstart.levels"):
         lrn.set_anchor([], tok, 16)
     lrn.set_anchor(prompts, tok, 16)
     first = lrn.anchor_batch(0)
     np.testing.assert_array_equal(first["tokens"], lrn.anchor_batch(0)["tokens"])
     assert first["tokens"].shape == (2, 16) and first["mask"].sum() > 0
-    state, m0 = lrn.update(make_state(params), flat)
+    state, m0 = lrn.update(make_state(params), *flat)
     assert int(state.step) == 2 and m0["anchor/nll"] > 0
     for _ in range(3):
-        state, m = lrn.update(state, flat)
+        state, m = lrn.update(state, *flat)
     assert m["anchor/nll"] < 0.8 * m0["anchor/nll"], (m0["anchor/nll"], m["anchor/nll"])
     assert learner.anchor_batch(0) is None  # anchor_coef 0: no rows, the step ignores it

@@ -5,31 +5,26 @@ binary outcomes as rewards that is "all right or all wrong"; stage 2 (tie-breaki
 all-right group distinct rewards; stage 4 drops groups before training; stage 3 (RL-ZVP) gives
 every zero-variance group an entropy-guided advantage, so with it no trained group is wasted.
 
-Groups are mappings with "outcomes" (binary), "lengths" (tokens per response) and optionally
-"rewards" (shaped; defaults to the outcomes).
+Groups are `ScoredGroup`s (a `RolloutGroup` with MS-ZVE's rewards); "all equal" is
+`espo_jax.rl.advantages.zero_variance`, the predicate the learner and the filter use too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from espo_jax.data.prompt_scheduler import binary_outcomes
+from espo_jax.zve.groups import ScoredGroup
 
 
-def zero_variance(values: Iterable) -> bool:
-    """True when every value is equal (a group with no contrast)."""
-    v = np.asarray(list(values), dtype=np.float64)
-    return bool(v.max() == v.min())
+def _flat(values: np.ndarray) -> bool:
+    from espo_jax.rl.advantages import zero_variance  # imports JAX (the module; not this call)
+
+    return bool(zero_variance(np.asarray(values, np.float64)[None])[0])
 
 
-def _rewards(group: Mapping) -> Sequence:
-    r = group.get("rewards")
-    return group["outcomes"] if r is None else r
-
-
-def step_metrics(generated: Sequence[Mapping], batch: Sequence[Mapping], *,
+def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup], *,
                  zvp_enabled: bool = False) -> dict[str, float]:
     """Flat `zve/...` scalars for one step.
 
@@ -49,21 +44,16 @@ def step_metrics(generated: Sequence[Mapping], batch: Sequence[Mapping], *,
     rollouts = tokens = wasted_rollouts = wasted_tokens = 0
     zv_outcome = zv_reward = 0
     for g in generated:
-        lengths = np.asarray(list(g["lengths"]), dtype=np.int64)
-        outcomes = binary_outcomes(g["outcomes"], str(g.get("prompt_id", "")))
-        if len(lengths) != len(outcomes) or len(_rewards(g)) != len(outcomes):
-            raise ValueError(f"step_metrics: group {g.get('prompt_id')!r} has "
-                             f"{len(outcomes)} outcomes, {len(lengths)} lengths and "
-                             f"{len(_rewards(g))} rewards")
+        lengths, outcomes = g.lengths, g.outcomes
         rollouts += len(outcomes)
         tokens += int(lengths.sum())
-        zv_outcome += zero_variance(outcomes)
-        flat = zero_variance(_rewards(g))
+        zv_outcome += _flat(outcomes)
+        flat = _flat(g.rewards)
         zv_reward += flat
         if id(g) not in batch_ids or (flat and not zvp_enabled):
             wasted_rollouts += len(outcomes)
             wasted_tokens += int(lengths.sum())
-    zv_batch = sum(zero_variance(_rewards(g)) for g in batch)
+    zv_batch = sum(_flat(g.rewards) for g in batch)
     n_gen = max(len(generated), 1)
     return {
         "zve/groups_generated": float(len(generated)),

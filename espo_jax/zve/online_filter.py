@@ -1,4 +1,4 @@
-"""MS-ZVE stage 4: online filtering of zero-variance groups with bounded refill.
+"""MS-ZVE stage 4 (`zve.online_filter`): online filtering of zero-variance groups, bounded refill.
 
 DAPO-style dynamic sampling: request more groups than still needed, drop the groups whose
 binary outcomes are all equal, and refill at most `max_refill_rounds` times. The request is
@@ -19,8 +19,9 @@ it), so `OnlineFilter.for_zve` builds the filter with `keep_zero_variance=True` 
 stage passes every group through: it only acts for losses that get nothing from a
 zero-variance group.
 
-A group is any mapping with "outcomes" (binary, one per response); "lengths" and "rewards" are
-read by `zve_metrics`. Filtering reads the outcomes only, never a shaped reward.
+A group is anything with `outcomes` (binary, one per response): a `ScoredGroup` in MS-ZVE (its
+rewards are read by `zve.metrics`), or a `RolloutGroup`. Filtering reads the outcomes only,
+never a shaped reward; "all equal" is `espo_jax.rl.advantages.zero_variance`.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import ml_collections
 import numpy as np
 
-from espo_jax.data.prompt_scheduler import binary_outcomes
+from espo_jax.zve.groups import binary_outcomes
 
-Group = Mapping
+Group = Any  # has `outcomes`: a `ScoredGroup` (MS-ZVE) or a `RolloutGroup`
 
 
 def filter_groups(groups_outcomes: Iterable[Iterable]) -> np.ndarray:
@@ -43,10 +45,12 @@ def filter_groups(groups_outcomes: Iterable[Iterable]) -> np.ndarray:
 
     Groups may differ in size (stage 1 gives prompts different sample counts).
     """
+    from espo_jax.rl.advantages import zero_variance  # imports JAX (the module; not this call)
+
     keep = []
     for k, outcomes in enumerate(groups_outcomes):
         o = binary_outcomes(outcomes, f"group {k}")
-        keep.append(bool(o.min() != o.max()))
+        keep.append(not bool(zero_variance(o[None])[0]))
     return np.asarray(keep, dtype=bool)
 
 
@@ -107,7 +111,7 @@ class OnlineFilter:
             groups = list(generate(self._request(target - len(kept))))
             rounds += 1
             generated += groups
-            mask = filter_groups(g["outcomes"] for g in groups)
+            mask = filter_groups(g.outcomes for g in groups)
             kept += [g for g, k in zip(groups, mask, strict=True) if k]
             if groups:
                 self.keep_rate = 0.5 * self.keep_rate + 0.5 * float(mask.mean())

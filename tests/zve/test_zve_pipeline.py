@@ -1,36 +1,42 @@
-"""ZVEPipeline on a simulated policy: every stage combination in one loop, state round trip."""
+"""ZVEPipeline on a simulated policy: every stage combination in one loop, state round trip,
+and the rollout groups left as the rollout made them."""
 
 import json
 import warnings
 
 import numpy as np
 import pytest
+from zve_groups import make_group, reward_fields
 
-from espo_jax.data.zve_config import default_zve_config
-from espo_jax.data.zve_pipeline import ZVEPipeline
+from espo_jax.zve.config import default_zve_config
+from espo_jax.zve.pipeline import ZVEPipeline
 
 # 10 prompts the policy always solves, 5 it never solves, 5 at a coin flip: with G = 8 a group
 # is zero-variance with probability 1, 1 and 2 / 2^8 -> expected (10 + 5 + 5/128) / 20 = .752
 PASS_RATES = [1.0] * 10 + [0.0] * 5 + [0.5] * 5
 PROMPTS = [{"prompt_id": f"q{i}"} for i in range(len(PASS_RATES))]
 MAX_LEN = 40
+STAGES = ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire")
 
 
 class SimulatedPolicy:
-    """Outcomes ~ Bernoulli(pass rate), lengths uniform in [5, 40]; seeded per call."""
+    """Outcomes ~ Bernoulli(pass rate), lengths uniform in [5, 40], step credits uniform in
+    [0, 1); seeded per call. The reward function's reward is -3 (MS-ZVE must not use it)."""
 
     def __init__(self, seed=0):
-        self.calls, self.seed = 0, seed
+        self.calls, self.seed, self.groups = 0, seed, []
 
     def __call__(self, plan):
         groups = []
         for prompt, n in plan:
             i = int(prompt["prompt_id"][1:])
             rng = np.random.default_rng([self.seed, self.calls, i])
-            groups.append({"prompt_id": prompt["prompt_id"],
-                           "outcomes": (rng.random(n) < PASS_RATES[i]).astype(int).tolist(),
-                           "lengths": rng.integers(5, MAX_LEN + 1, n).tolist()})
+            outcomes = (rng.random(n) < PASS_RATES[i]).astype(int).tolist()
+            groups.append(make_group(outcomes, rng.integers(5, MAX_LEN + 1, n).tolist(),
+                                     pid=prompt["prompt_id"], credits=rng.random(n).tolist(),
+                                     rewards=[-3.0] * n))
         self.calls += 1
+        self.groups += groups
         return groups
 
 
@@ -52,12 +58,12 @@ def test_plain_grpo_wastes_what_the_pass_rates_predict():
     assert all(len(batch) == 4 for batch, _ in history)
     # 120 groups; expected zero-variance share .752 (module comment), binomial sd ~ .04
     assert 0.62 < wasted_frac < 0.88
-    assert all(np.all(g["rewards"] == g["outcomes"]) for b, _ in history for g in b)
+    assert all(np.all(g.rewards == g.outcomes) for b, _ in history for g in b)
 
 
 def _all_stages(zvp):
     cfg = default_zve_config()
-    for stage in ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire"):
+    for stage in STAGES:
         cfg[stage].enabled = True
     cfg.zvp.enabled = zvp
     return cfg
@@ -83,7 +89,7 @@ def test_all_stages_but_rl_zvp_cut_the_waste():
         m["zve/filter_padded"] > 0 for _, m in history)
     # left: the filter's surplus and the re-probes of pruned prompts, versus ~.75 for plain GRPO
     assert wasted_frac < 0.1
-    assert all(g["rewards"].dtype == np.float32 for b, _ in history for g in b)
+    assert all(g.rewards.dtype == np.float32 for b, _ in history for g in b)
 
 
 def test_with_rl_zvp_the_filter_drops_nothing():
@@ -98,43 +104,29 @@ def test_with_rl_zvp_the_filter_drops_nothing():
     assert sum(m["zve/zero_variance_frac_before"] for _, m in history) > 0
 
 
-def test_offline_early_stop_keeps_the_decisions_and_saves_samples():
-    # outcome j of prompt i is SCRIPT[i][j]: the same samples with and without the early stop
-    script = {"a": [1, 1, 1, 1], "b": [0, 0, 0, 0], "c": [1, 0, 1, 1], "d": [0, 0, 0, 1],
-              "e": [1, 1, 1, 0]}
-    prompts = [{"prompt_id": pid} for pid in script]
-
-    def run(early_stop, low):
-        drawn = dict.fromkeys(script, 0)
-
-        def policy(plan):
-            out = []
-            for p, n in plan:
-                pid, j = p["prompt_id"], drawn[p["prompt_id"]]
-                drawn[pid] += n
-                out.append({"prompt_id": pid, "outcomes": script[pid][j:j + n],
-                            "lengths": [10] * n})
-            return out
-
-        cfg = default_zve_config()
-        cfg.offline.enabled, cfg.offline.k, cfg.offline.low = True, 4, low
-        cfg.offline.early_stop = early_stop
-        zve = ZVEPipeline(prompts, cfg, max_len=MAX_LEN)
-        pruned, m = zve.offline_prune(policy)
-        return sorted(pruned), drawn, m, zve
-
-    full_pruned, full_drawn, full_m, _ = run(False, 0.0)
-    assert full_pruned == ["a", "b"] and full_m["zve/offline_rollouts"] == 20
-    pruned, drawn, m, zve = run(True, 0.0)
-    # a, b can be pruned until the end; c is mixed after 2, d after 4, e after 4
-    assert pruned == full_pruned and drawn == {"a": 4, "b": 4, "c": 2, "d": 4, "e": 4}
-    assert m["zve/offline_rollouts"] == 18 and m["zve/offline_tokens"] == 180
-    # stage 1's history holds what was drawn: c at 1 right of 2
-    assert zve.scheduler.trials[zve.scheduler._lookup("c")] == 2.0
-    assert zve.scheduler.pass_rate("c") == 0.5
-    # low < 0 (only always-solved prompts are pruned): the first wrong outcome settles a prompt
-    pruned, drawn, _, _ = run(True, -1.0)
-    assert pruned == ["a"] and drawn == {"a": 4, "b": 1, "c": 2, "d": 1, "e": 4}
+def test_step_leaves_the_rollout_groups_untouched():
+    # Every stage on, stage 2 ranking wrong responses by step credit: the rewards the step
+    # returns are MS-ZVE's, and no response of any generated group has its fields changed.
+    cfg = _all_stages(zvp=False)
+    cfg.tie_break.wrong_score = "step_credit"
+    zve = ZVEPipeline(PROMPTS, cfg, seed=0, max_len=MAX_LEN)
+    policy = SimulatedPolicy()
+    zve.offline_prune(policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        batches = [zve.step(4, policy)[0] for _ in range(10)]
+    before = [(g.prompt_id, [(r.outcome, r.length, dict(r.reward_components))
+                             for r in g.responses]) for g in policy.groups]
+    assert reward_fields(policy.groups) == [[-3.0] * g.num_responses for g in policy.groups]
+    generated = {id(g) for g in policy.groups}
+    for batch in batches:
+        for s in batch:
+            assert id(s.group) in generated  # the rollout's own objects, not copies
+            assert not np.any(s.rewards == -3.0)  # tie-broken rewards, not the records'
+            assert s.rewards.shape == (s.group.num_responses,)
+    after = [(g.prompt_id, [(r.outcome, r.length, dict(r.reward_components))
+                            for r in g.responses]) for g in policy.groups]
+    assert after == before
 
 
 def test_retirement_alone_lowers_waste_over_epochs():
@@ -158,8 +150,12 @@ def test_pipeline_state_round_trip():
         warnings.simplefilter("ignore", RuntimeWarning)
         for _ in range(7):
             a.step(4, policy)
+    state = json.loads(json.dumps(a.state_dict()))
+    # the checkpoint format of every earlier version (old checkpoints restore)
+    assert set(state) == {"scheduler", "filter"}
+    assert set(state["filter"]) == {"exhausted", "steps", "keep_rate"}
     b = ZVEPipeline(PROMPTS, cfg, seed=3, max_len=MAX_LEN)
-    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    b.load_state_dict(state)
     policy_b = SimulatedPolicy(seed=1)
     policy_b.calls = policy.calls
     with warnings.catch_warnings():
@@ -167,11 +163,10 @@ def test_pipeline_state_round_trip():
         for _ in range(5):
             (batch_a, ma), (batch_b, mb) = a.step(4, policy), b.step(4, policy_b)
             assert ma == mb
-            assert [g["prompt_id"] for g in batch_a] == [g["prompt_id"] for g in batch_b]
+            assert [g.prompt_id for g in batch_a] == [g.prompt_id for g in batch_b]
 
 
 def test_rollout_must_follow_the_plan():
     zve = ZVEPipeline(PROMPTS, default_zve_config(), max_len=MAX_LEN)
     with pytest.raises(ValueError, match="does not match the plan"):
-        zve.step(1, lambda plan: [{"prompt_id": p["prompt_id"], "outcomes": [1],
-                                   "lengths": [3]} for p, _ in plan])
+        zve.step(1, lambda plan: [make_group([1], [3], pid=p["prompt_id"]) for p, _ in plan])

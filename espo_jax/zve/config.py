@@ -1,6 +1,6 @@
 """Every default of multi-stage zero-variance elimination (MS-ZVE), one line each.
 
-Stages (each switched by its `enabled`):
+Stages (each switched by its `enabled`; the table in `espo_jax.zve` names their modules):
   0 offline   prune prompts whose pass rate under the starting policy is 0 or 1
   1 adaptive  samples per prompt from the prompt's pass-rate history
   2 tie_break bounded length term inside the correct tier (espo_jax.rewards.shaping)

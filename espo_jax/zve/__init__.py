@@ -1,0 +1,86 @@
+"""espo_jax.zve: multi-stage zero-variance elimination (MS-ZVE).
+
+A prompt group whose rewards are all equal gives group-relative advantages nothing to learn
+from. Each stage avoids, repairs or drops such groups; each is one switch `zve.<stage>.enabled`
+in `default_zve_config()` (all off: plain GRPO sampling).
+
+  #  stage          config key         module              decides
+  0  offline        zve.offline        offline.py          which prompts the starting policy
+                                                           always (never) solves: pruned
+  1  adaptive       zve.adaptive       adaptive.py         samples per prompt from its pass-
+                                                           rate history; settled ones skipped
+  2  tie-break      zve.tie_break      tie_break.py        each group's rewards: outcome, or a
+                                                           length (step credit) tie-break
+  3  RL-ZVP         zve.zvp            zvp.py              advantages of zero-variance groups
+                                                           (applied by the learner)
+  4  online filter  zve.online_filter  online_filter.py    which generated groups are trained
+                                                           on; refills, bounded
+  5  retirement     zve.retire         retire.py           which prompts retire after equal
+                                                           streaks, and when they are re-probed
+
+Around the stages:
+  config.py     `default_zve_config`, `validate_zve_config`: every setting, one line each
+  scheduler.py  `PromptScheduler`: each prompt's history and the epochs drawn from it
+                (stages 0, 1, 5 decide from it); `status.py`: its prompt states
+  groups.py     `ScoredGroup` (a `RolloutGroup` and its rewards), `binary_outcomes`
+  metrics.py    `step_metrics`: the per-step `zve/...` scalars
+  pipeline.py   `ZVEPipeline`: all of it around a caller's `rollout(plan)` callback
+
+MS-ZVE reads `espo_jax.buffer.RolloutGroup`s and never writes to them; rewards travel beside
+each group (`ScoredGroup`) into `Learner.update(state, groups, rewards)`. Stage decisions use
+binary outcomes only. The zero-variance predicate and RL-ZVP's signs are defined once, in
+`espo_jax.rl.advantages` (`zero_variance`, `zvp_signs`; re-exported by `zvp.py`).
+
+Importing this package does not import JAX (rollout workers read the config); `zvp.py`, and
+the first filter, metrics or stage-2 call, do. `rl_zvp`, `zero_variance`, `zvp_signs` are
+loaded from `zvp.py` on first access.
+"""
+
+from espo_jax.zve.adaptive import adaptive_samples, zero_variance_prob
+from espo_jax.zve.config import default_zve_config, validate_zve_config
+from espo_jax.zve.groups import ScoredGroup, binary_outcomes, groups_and_rewards
+from espo_jax.zve.metrics import step_metrics
+from espo_jax.zve.offline import offline_pass, offline_undecided
+from espo_jax.zve.online_filter import CollectResult, OnlineFilter, filter_groups
+from espo_jax.zve.pipeline import Rollout, ZVEPipeline
+from espo_jax.zve.scheduler import PromptScheduler
+from espo_jax.zve.status import ACTIVE, PRUNED, RETIRED
+from espo_jax.zve.tie_break import group_rewards, score_groups
+
+_FROM_ZVP = ("rl_zvp", "zero_variance", "zvp_signs")
+
+
+def __getattr__(name: str):
+    if name in _FROM_ZVP:  # imports JAX: only when asked for
+        from espo_jax.zve import zvp
+
+        return getattr(zvp, name)
+    raise AttributeError(f"module 'espo_jax.zve' has no attribute {name!r}")
+
+
+__all__ = [
+    "ACTIVE",
+    "PRUNED",
+    "RETIRED",
+    "CollectResult",
+    "OnlineFilter",
+    "PromptScheduler",
+    "Rollout",
+    "ScoredGroup",
+    "ZVEPipeline",
+    "adaptive_samples",
+    "binary_outcomes",
+    "default_zve_config",
+    "filter_groups",
+    "group_rewards",
+    "groups_and_rewards",
+    "offline_pass",
+    "offline_undecided",
+    "rl_zvp",
+    "score_groups",
+    "step_metrics",
+    "validate_zve_config",
+    "zero_variance",
+    "zero_variance_prob",
+    "zvp_signs",
+]

@@ -1,0 +1,76 @@
+"""What MS-ZVE passes along: buffer `RolloutGroup`s in, (group, rewards) pairs out.
+
+MS-ZVE reads the groups a rollout produced (`espo_jax.buffer.RolloutGroup`: binary outcomes,
+response lengths, step credits) and never writes to them. Stage 2 computes each group's
+rewards once (`tie_break.score_groups`); from there on a group travels as a `ScoredGroup`, the
+group and its float32 rewards side by side, through the online filter (stage 4), the metrics
+and into the learner (`Learner.update(state, groups, rewards)`, see `groups_and_rewards`).
+
+Stage decisions read binary outcomes only (`binary_outcomes` checks them), never a shaped
+reward. This module imports neither JAX nor the buffer's I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from espo_jax.buffer.records import RolloutGroup
+
+
+def binary_outcomes(outcomes: Iterable | None, prompt_id: str = "") -> np.ndarray:
+    """Outcomes as an int array, checked to be 0/1 (filtering never uses shaped rewards)."""
+    if outcomes is None:  # `RolloutGroup.outcomes` of a group with an unscored response
+        raise ValueError(f"outcomes of {prompt_id!r}: the group is not scored (an outcome is "
+                         f"None)")
+    o = np.asarray(list(outcomes), dtype=np.float64)
+    if o.ndim != 1 or o.size == 0:
+        raise ValueError(f"outcomes of {prompt_id!r} must be a non-empty 1-D sequence")
+    if not np.all((o == 0) | (o == 1)):
+        raise ValueError(f"outcomes of {prompt_id!r} must be binary 0/1 (MS-ZVE uses the "
+                         f"verified outcome, never a shaped reward); got {o.tolist()}")
+    return o.astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoredGroup:
+    """One rollout group and MS-ZVE's rewards for it (float32 `[G]`, read-only): its binary
+    outcomes, or with stage 2 on the tie-broken rewards. Compared by identity (the online
+    filter tracks the groups it keeps)."""
+
+    group: RolloutGroup
+    rewards: np.ndarray
+
+    def __post_init__(self):
+        rewards = np.asarray(self.rewards, np.float32).view()  # read-only view, same values
+        if rewards.shape != (self.group.num_responses,):
+            raise ValueError(f"ScoredGroup: group {self.group.prompt_id!r} has "
+                             f"{self.group.num_responses} responses but rewards of shape "
+                             f"{rewards.shape}")
+        rewards.setflags(write=False)
+        object.__setattr__(self, "rewards", rewards)
+
+    @property
+    def prompt_id(self) -> str | int:
+        return self.group.prompt_id
+
+    @property
+    def outcomes(self) -> np.ndarray:
+        """int64 `[G]` binary outcomes (checked)."""
+        return binary_outcomes(self.group.outcomes, str(self.group.prompt_id))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 `[G]` response lengths (tokens)."""
+        return self.group.response_lengths.astype(np.int64)
+
+
+def groups_and_rewards(batch: Sequence[ScoredGroup]
+                       ) -> tuple[list[RolloutGroup], list[np.ndarray]]:
+    """A batch of `ScoredGroup`s as the learner takes it: the groups and a parallel list of
+    their reward arrays."""
+    return [s.group for s in batch], [s.rewards for s in batch]
