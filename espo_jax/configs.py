@@ -1,11 +1,18 @@
 """The one place that sets every default of a run (flax `configs/default.py` style).
 
-Experiments (`experiments/<name>.py`) start from `default_config()` and change what differs.
-`validate(config)` checks names, choices and divisibility before anything is compiled, with a
-message naming the key and the allowed values.
+Experiments (`experiments/<name>.py`) start from `default_config()` and change what differs;
+their recipes, and why each value is what it is, live there (measurements and tuning history in
+`experiments/results/README.md`). `validate(config)` checks names, choices and divisibility
+before anything is compiled, with a message naming the key and the allowed values. `parse_arg`
+reads an experiment's `:arg` suffix, `apply_small` makes the laptop-CPU variant, and
+`import_file` / `experiment_config` load experiment files by path.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import types
 
 import ml_collections
 
@@ -18,11 +25,13 @@ ENGINES = ("jax", "vllm")
 PRECISIONS = ("fp32", "bf16", "fp8")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 MODES = ("train", "rollout")
+EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "experiments")  # this checkout's experiment files
 
 
 def default_config() -> ml_collections.ConfigDict:
-    from espo_jax.data.zve_config import default_zve_config
     from espo_jax.rl.loss_config import default_loss_config
+    from espo_jax.zve.config import default_zve_config
 
     c = ml_collections.ConfigDict()
     c.seed = 0  # every RNG of the run derives from this
@@ -55,8 +64,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.warmstart = ml_collections.ConfigDict()
     c.warmstart.steps = 0  # supervised steps on worked solutions (0: no warm start)
     c.warmstart.levels = (1, 2)  # levels the warm start sees
-    c.warmstart.batch_size = 64
-    c.warmstart.lr = 3e-3
+    c.warmstart.batch_size = 64  # worked solutions per supervised step
+    c.warmstart.lr = 3e-3  # peak lr of the warm start (replaces optim.lr; same schedule shape)
     c.warmstart.eval_every = 200  # steps between accuracy checks on the warm-start levels
     c.warmstart.target_accuracy = 0.9  # stop early once greedy accuracy on its levels reaches this
     c.warmstart.max_seconds = 0.0  # stop after this much wall time (0: no limit)
@@ -66,34 +75,45 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.precision = "fp8"  # engine weights: fp32, bf16 or fp8 (E4M3, per-channel scales)
     c.rollout.prompts_per_step = 16  # N prompts per rollout batch
     c.rollout.max_prompt_len = 32  # tokens; longer prompts are rejected
-    c.rollout.max_new_tokens = 48
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 1.0
+    c.rollout.max_new_tokens = 48  # response budget; longer samples are cut (no eos)
+    c.rollout.temperature = 1.0  # sampling temperature (1: the policy's own distribution)
+    c.rollout.top_p = 1.0  # nucleus mass kept (1: no truncation: samples follow the policy)
     c.rollout.top_k = 0  # 0: no top-k truncation
     c.rollout.num_slots = 64  # decode slots of the continuous-batching engine
-    c.rollout.steps_per_sync = 8  # decode steps per jitted call between host syncs (a
-    # sample's tokens do not depend on it; 8 vs 4: 2x on max-length samples of a random
-    # model, 1.3-1.45 -> 1.2 s per rollout step on arith_espo, whose samples end at ~28 tokens)
-    c.rollout.prefill_rows = 16  # prompts per prefill call (one padded length; 1 vs 16: README)
+    c.rollout.steps_per_sync = 8  # decode steps per jitted call between host syncs (no effect
+    # on a sample's tokens; larger: fewer syncs, more steps run past a sample's end)
+    c.rollout.prefill_rows = 16  # prompts per prefill call (padded to one length per call)
     c.rollout.reward_workers = 2  # reward pool workers (overlapped with decoding)
-    c.rollout.reward_timeout_s = 5.0
+    c.rollout.reward_timeout_s = 5.0  # a reward call running longer counts as failed
+    # vLLM workers only (rollout.engine="vllm"; espo_jax/rollout/vllm_cli.py)
+    c.rollout.vllm = ml_collections.ConfigDict()
+    c.rollout.vllm.quantization = "fp8"  # "fp8" (vLLM online FP8) or "none" (weights at dtype)
+    c.rollout.vllm.capture_routing = True  # record routed experts (router replay R3 needs it)
+    c.rollout.vllm.dtype = "bfloat16"  # activations, and weights when quantization is "none"
+    c.rollout.vllm.max_model_len = 0  # tokens; 0: rollout.max_prompt_len + max_new_tokens
+    c.rollout.vllm.gpu_memory_utilization = 0.85  # fraction of each GPU vLLM may take
+    c.rollout.vllm.tensor_parallel_size = 1  # GPUs per vLLM engine
+    c.rollout.vllm.enforce_eager = False  # True: no CUDA graphs / torch.compile (starts faster)
+    c.rollout.vllm.reload = "auto"  # "inplace" (reload_weights RPC), "rebuild" (a new LLM), or
+    # "auto": in place on GPUs, rebuild on CPU
+    c.rollout.vllm.llm_kwargs = "{}"  # JSON dict of further vllm.LLM arguments
 
     c.advantage = ml_collections.ConfigDict()
     c.advantage.name = "grpo"  # grpo, dr_grpo or rloo
     c.advantage.negative_scale = 1.0  # multiplies negative token advantages (0: positive only)
 
-    c.loss = default_loss_config()
-    c.zve = default_zve_config()
+    c.loss = default_loss_config()  # the loss section (its defaults are commented there)
+    c.zve = default_zve_config()  # MS-ZVE stages 0-5 (likewise)
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.lr = 1e-3
-    c.optim.warmup_steps = 10
-    c.optim.final_lr_frac = 0.1
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.99
-    c.optim.eps = 1e-8
-    c.optim.weight_decay = 0.0
-    c.optim.grad_clip_norm = 1.0
+    c.optim.lr = 1e-3  # RL peak learning rate (AdamW)
+    c.optim.warmup_steps = 10  # linear warm-up from 0 over this many updates
+    c.optim.final_lr_frac = 0.1  # cosine decay ends at lr * this (1: constant after warm-up)
+    c.optim.b1 = 0.9  # Adam first-moment decay
+    c.optim.b2 = 0.99  # Adam second-moment decay
+    c.optim.eps = 1e-8  # Adam denominator epsilon
+    c.optim.weight_decay = 0.0  # AdamW decoupled decay, on matrices only (not norms)
+    c.optim.grad_clip_norm = 1.0  # gradients clipped to this global norm
 
     c.train = ml_collections.ConfigDict()
     c.train.loop = "sync"  # sync (one process, on-policy) or async (learner + worker processes)
@@ -101,9 +121,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.updates_per_batch = 1  # minibatch updates per rollout batch
     c.train.micro_batches = 1  # gradient accumulation inside one update
     # Supervised anchor (PPO-ptx): every update also descends anchor_coef x the cross-entropy of
-    # anchor_rows worked solutions of the warm-start levels (0: off; rows 0: warmstart.batch_size)
-    c.train.anchor_coef = 0.0
-    c.train.anchor_rows = 0
+    # anchor_rows worked solutions of the warm-start levels.
+    c.train.anchor_coef = 0.0  # weight of the anchor's cross-entropy (0: off)
+    c.train.anchor_rows = 0  # worked solutions per update (0: warmstart.batch_size)
     c.train.replay = "r3"  # router replay: r3 (recorded), r2 (learner's old routing), off
     c.train.logprob_chunk = 64  # sequence chunk for log-prob / entropy computation
     c.train.max_staleness = 1  # async: drop groups older than this many policy versions
@@ -120,7 +140,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10  # RL steps between checkpoints
-    c.checkpoint.keep = 2
+    c.checkpoint.keep = 2  # newest checkpoints kept on disk (older ones are deleted)
     c.checkpoint.init_from = ""  # a checkpoint directory to start from when WORKDIR has none
 
     c.eval = ml_collections.ConfigDict()
@@ -132,7 +152,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.buffer.dir = ""  # "" -> WORKDIR/buffer
     c.buffer.keep_consumed = False  # keep shards the learner has consumed
 
-    c.log_every = 1
+    c.log_every = 1  # steps between metric records (not read yet: the loops log every step)
     return c
 
 
@@ -146,8 +166,8 @@ def _choice(errors: list[str], config, key: str, allowed) -> None:
 
 def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     """Raises ValueError listing every problem, each naming its key and the allowed values."""
-    from espo_jax.data.zve_config import validate_zve_config
     from espo_jax.rl.loss_config import validate_loss_config
+    from espo_jax.zve.config import validate_zve_config
 
     errors: list[str] = []
     _choice(errors, config, "mode", MODES)
@@ -274,71 +294,19 @@ def apply_small(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return config
 
 
-def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
-    """The `arith_chains` experiment family: `small` MoE, warm start on the easy levels, then RL
-    with `loss_name` (the paper's clip settings for it) on all levels, every zero-variance stage,
-    FP8 engine and router replay. Experiments differ from each other by the loss only."""
-    from espo_jax.rl.loss_config import paper_loss_config
+def import_file(path: str) -> types.ModuleType:
+    """Imports a Python file by path: an experiment, or a recipe it shares with its siblings
+    (`experiments/arith_common.py`), whatever the working directory and `sys.path`."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no Python file at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    arg = parse_arg(arg, small=False)
-    c = default_config()
-    c.loss = paper_loss_config(loss_name)
-    c.loss.vocab_size = 128  # |V| of the `small` / `tiny` presets (character tokenizer)
-    # Dr. GRPO advantages (mean-centred, not divided by the group's std): with the std, a group
-    # with one success in eight gives that sample +2.6, and at this model size the amplified
-    # updates broke the solved levels (README, "How reliable the gain is").
-    c.advantage.name = "dr_grpo"
-    c.rollout.precision = "fp8"
-    c.train.replay = "r3"
-    for stage in ("offline", "adaptive", "tie_break", "zvp", "online_filter", "retire"):
-        c.zve[stage].enabled = True  # every MS-ZVE stage
-    # Levels: chains of 2, 3, 4 one-digit terms; 6 terms of 0-2 (long but easy); then the
-    # "edge" levels 6 terms of 0-4 and 5 terms of 0-2, where the warm start is right 25% of the
-    # time greedy and ~40% of the time in 8 samples: RL gets reward contrast there. The warm
-    # start sees levels 1-4. (5 and 6 terms of 0-9, the earlier levels 5-6, gave pass@8 of
-    # 10-20% and no RL gain: README, "Where RL could gain".)
-    c.data.levels = ((2, 1), (3, 1), (4, 1), (6, 1, 2), (6, 1, 4), (5, 1, 2))
-    c.data.index_hints = True
-    c.data.train_levels = (1, 2, 3, 4, 5, 6)
-    c.data.eval_levels = (1, 2, 3, 4, 5, 6)
-    # RL prompt pool: stage 0 keeps ~900 of 2400, first revisited after ~28 of the 120 steps
-    # (with 1000 it kept ~380 and RL memorised them).
-    c.data.rl_prompts = 2400
-    c.rollout.max_prompt_len = 20  # `a1b+7c+9d-5e-9f-2=` + bos
-    c.rollout.max_new_tokens = 52  # `a9=9,b+9=18,..,f+9=54#54` + eos (<= 50 with signs)
-    # 32 prompts x 8 samples per step, one update of <= 256 rows: over seeds 0-2 (stop 16) 16
-    # prompts per step gained +6.2 points on average, 32 +8.8, 32 with step credit +14.0 (README)
-    c.rollout.prompts_per_step = 32
-    c.rollout.num_slots = 128  # a sample's tokens do not depend on its slot
-    c.zve.n_samples = 8
-    c.zve.offline.k = 2  # stage 0: two samples decide "always solved" (115k tokens for 2400)
-    c.zve.offline.low = -1.0  # stage 0 prunes only always-solved prompts: unsolved ones are
-    # what RL must learn; stage 5 retires those that stay unsolved
-    # Stage 1 on revisits: 4 or 8 samples, and settled prompts skipped. Up to 16 samples made
-    # 150-224-row batches from step 57 on, two updates each (1.6x a step's time): within noise
-    # of the same accuracy at 120 steps (0.885 vs 0.870), but over the 15-minute budget.
-    c.zve.adaptive.max_samples = 8
-    # Stage 2 also ranks wrong responses by the worked solution's steps they got right before
-    # their first mistake: all-wrong groups of the edge levels carry a signal (README).
-    c.zve.tie_break.wrong_score = "step_credit"
-    c.warmstart.steps = 600
-    c.warmstart.levels = (1, 2, 3, 4)
-    c.warmstart.lr = 2e-3
-    c.warmstart.eval_every = 200  # its accuracy is below the target at 200 and 400 on seeds 0-2
-    c.warmstart.target_accuracy = 0.95
-    # One update per rollout batch (<= 256 rows), with the supervised anchor (worked solutions
-    # of levels 1-4 in every update). lr 3e-4 with two updates per 128-row batch ranged from
-    # -10 to +10 points over runs; GRPO at 3e-4 on level-3 prompts alone lowered its own
-    # rollout accuracy there (0.69 -> 0.55 in 30 steps); lr 1e-4 stayed flat (README).
-    c.optim.lr = 3e-4  # with 256-row batches (stop 16, seeds 0-2): +17.5 / +26.0 / +16.5; at
-    # 2e-4 +10.0 / +9.5 / +22.5; at 3e-4 with 128-row batches the solved levels broke (README)
-    c.train.anchor_coef = 0.3
-    c.train.steps = 120  # 80 steps: 0.83 (curve still rising); 120: 0.87-0.89 (README)
-    c.train.updates_per_batch = 1
-    c.eval.num_prompts = 200
-    c.eval.every = 20
-    c.checkpoint.every = 20
-    c.eval.pass_k = 0
-    if arg.small:
-        apply_small(c)
-    return c
+
+def experiment_config(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """`get_config(arg)` of `experiments/<name>.py` (what `--config experiments/<name>.py:arg`
+    loads)."""
+    return import_file(os.path.join(EXPERIMENTS_DIR, f"{name}.py")).get_config(arg)

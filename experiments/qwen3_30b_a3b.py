@@ -16,6 +16,11 @@ filesystem (`launch/slurm_vllm.sbatch`). The TPU variant runs the learner on a T
     launch/slurm_vllm.sbatch          # the same on a cluster (learner node + vLLM nodes)
     launch/tpu_multihost.sh           # TPU slice: experiments/qwen3_30b_a3b.py:tpu
 
+Measured: not yet run at full scale (no GPU or TPU run). On paper only: 30,532,122,624
+parameters, 3,353,032,704 active (by hand and via `jax.eval_shape` in
+tests/test_qwen3_30b_config.py), and one layer's gradient at 16k compiled both ways (the memory
+bullet below), 2026-12-01, CPU XLA; see experiments/results/attention_bench.json.
+
 Laptop-size variant (tiny MoE, arithmetic, JAX engine, sync loop; what the tests run):
 
     python -m espo_jax.main --config experiments/qwen3_30b_a3b.py:small --workdir /tmp/q30_small

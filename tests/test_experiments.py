@@ -5,7 +5,6 @@ in-process and persistent caches. Real-scale experiments are validated, shaped (
 sharded on paper; only their small variants run."""
 
 import glob
-import importlib.util
 import json
 import os
 
@@ -15,11 +14,15 @@ import pytest
 from espo_jax import configs, plot, sharding
 from espo_jax.models import init_params
 from espo_jax.models.config import get_preset
+from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `*_common.py` files are recipes the experiments share (no `get_config` of their own).
 EXPERIMENTS = sorted(os.path.basename(p)[:-3]
-                     for p in glob.glob(os.path.join(REPO, "experiments", "*.py")))
+                     for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
+                     if not p.endswith("_common.py"))
+ARITH = ("arith_espo", "arith_grpo", "arith_dapo", "arith_gspo")
 REAL_SCALE = {"qwen3_30b_a3b"}  # full size validated and shaped here; its small variant runs
 SUMMARY_KEYS = ("warmstart_accuracy", "final_accuracy", "steps", "wall_seconds",
                 "generated_tokens", "wasted_token_fraction", "mean_abs_logp_mismatch",
@@ -27,17 +30,48 @@ SUMMARY_KEYS = ("warmstart_accuracy", "final_accuracy", "steps", "wall_seconds",
 
 
 def load(name, arg=None):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "experiments",
-                                                                     f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert "python -m espo_jax.main --config experiments/" in module.__doc__, (
+    module = configs.import_file(os.path.join(REPO, "experiments", f"{name}.py"))
+    assert f"python -m espo_jax.main --config experiments/{name}.py" in module.__doc__, (
         f"{name}: the docstring must hold the command that runs it")
+    assert "Measured" in module.__doc__, f"{name}: the docstring must say what it measured"
     return module.get_config(arg)
 
 
+def _flat(config):
+    """{"a.b.c": value} of a ConfigDict."""
+    out = {}
+    for key, value in config.items():
+        if hasattr(value, "items"):
+            out.update({f"{key}.{k}": v for k, v in _flat(value).items()})
+        else:
+            out[key] = value
+    return out
+
+
 def test_the_arith_family_is_there():
-    assert {"arith_espo", "arith_grpo", "arith_dapo", "arith_gspo"} <= set(EXPERIMENTS)
+    assert set(ARITH) <= set(EXPERIMENTS)
+    assert "arith_common" not in EXPERIMENTS
+    assert configs.experiment_config("arith_espo").to_dict() == load("arith_espo").to_dict()
+
+
+@pytest.mark.parametrize("arg", [None, "small"])
+def test_the_arith_experiments_differ_by_the_loss_only(arg):
+    full = {name: load(name, arg) for name in ARITH}
+    base = _flat(full["arith_espo"])
+    for name, config in full.items():
+        flat = _flat(config)
+        assert flat.keys() == base.keys()
+        diff = {k for k in flat if flat[k] != base[k]}
+        assert diff <= {"loss.name", "loss.clip_low", "loss.clip_high"}, (name, diff)
+        # The loss section is the paper's for that loss, at the character tokenizer's |V|.
+        paper = paper_loss_config(name.split("_", 1)[1])
+        paper.vocab_size = 128
+        assert config.loss.to_dict() == paper.to_dict(), name
+
+
+@pytest.mark.parametrize("name", ARITH)
+def test_the_small_arith_variant_is_apply_small_of_the_full_one(name):
+    assert load(name, "small").to_dict() == configs.apply_small(load(name)).to_dict()
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

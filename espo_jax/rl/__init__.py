@@ -1,8 +1,8 @@
 """espo_jax.rl: RL algorithms as pure JAX functions.
 
 - `logprobs`: chunked per-token log-probs and entropies (never a full fp32 [B, T, V]).
-- `losses`: GRPO, DAPO, GSPO, GSPO-token, ESPO; `policy_loss`, `LOSSES`.
+- `losses`: GRPO, DAPO, GSPO, GSPO-token, ESPO; `policy_loss`, the registry `LOSSES` (name ->
+  function, paper aggregation, paper clip settings).
 - `loss_config`: the loss config section (`default_loss_config`, `paper_loss_config`, validation).
 - `advantages`: GRPO, Dr. GRPO, RLOO, RL-ZVP, DAPO overlong penalty; `ADVANTAGES`.
-- `reward_adjust`: tiered outcome/reward-model composition, judge verdicts, inversion rate.
 """

@@ -1,30 +1,24 @@
-"""The loss section of an experiment config: every key with its default, each paper's clip
-settings, and validation that names the key and the allowed values. The losses themselves are
-in `espo_jax.rl.losses`."""
+"""The loss section of an experiment config: every key with its default, each paper's settings
+(read from the `espo_jax.rl.losses.LOSSES` registry), and validation that names the key and the
+allowed values. The losses themselves, and what each paper uses, are in `espo_jax.rl.losses`."""
 
 import ml_collections
 
-AGGREGATIONS = (
-    "auto",
-    "token_mean",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-    "group_mean",
+from espo_jax.rl.losses import (
+    AGGREGATION_MODES,
+    ESPO_TOKEN_RATIOS,
+    KL_ESTIMATORS,
+    LOSSES,
+    TIS_MODES,
 )
-# What `aggregation="auto"` means for each loss: the reduction its paper uses.
-PAPER_AGGREGATION = {
-    "grpo": "seq_mean_token_mean",
-    "dapo": "token_mean",
-    "gspo": "seq_mean_token_mean",
-    "gspo_token": "seq_mean_token_mean",
-    "espo": "group_mean",
-}
-_CHOICES = {  # "name" is checked against the LOSSES registry at validation time
+
+AGGREGATIONS = ("auto", *AGGREGATION_MODES)
+_CHOICES = {
+    "name": LOSSES,  # the registry itself: a loss registered later is valid too
     "aggregation": AGGREGATIONS,
-    "kl_estimator": ("k1", "k2", "k3"),
-    "tis": ("off", "token", "sequence"),
-    "espo_token_ratio": ("gspo_token", "as_printed"),
+    "kl_estimator": KL_ESTIMATORS,
+    "tis": TIS_MODES,
+    "espo_token_ratio": ESPO_TOKEN_RATIOS,
 }
 
 
@@ -34,7 +28,7 @@ def default_loss_config() -> ml_collections.ConfigDict:
     c.name = "espo"  # registered loss: grpo | dapo | gspo | gspo_token | espo
     c.clip_low = 0.2  # eps_low: ratio clipped below at 1 - clip_low (not used by espo)
     c.clip_high = 0.2  # eps_high: ratio clipped above at 1 + clip_high (DAPO 0.28; not espo)
-    c.aggregation = "auto"  # auto (= PAPER_AGGREGATION[name]) or a mode of `aggregate`
+    c.aggregation = "auto"  # auto (= LOSSES[name].aggregation) or a mode of `aggregate`
     c.aggregation_norm_len = 0  # L of seq_mean_token_sum_norm (Dr. GRPO budget); 0 = padded T
     c.kl_coef = 0.0  # beta of the KL(pi || pi_ref) penalty; > 0 needs ref_logp
     c.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators; GRPO uses k3)
@@ -48,15 +42,14 @@ def default_loss_config() -> ml_collections.ConfigDict:
 
 
 def paper_loss_config(name: str) -> ml_collections.ConfigDict:
-    """`default_loss_config()` with the clip settings each paper reports for `name`."""
+    """`default_loss_config()` with the clip settings each paper reports for `name`
+    (`LOSSES[name].clip`)."""
     c = default_loss_config()
-    if name not in PAPER_AGGREGATION:
-        raise ValueError(f"unknown loss {name!r}; valid: {sorted(PAPER_AGGREGATION)}")
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; valid: {sorted(LOSSES)}")
     c.name = name
-    if name == "dapo":
-        c.clip_low, c.clip_high = 0.2, 0.28
-    elif name in ("gspo", "gspo_token"):
-        c.clip_low, c.clip_high = 3e-4, 4e-4
+    for key, value in LOSSES[name].clip.items():
+        c[key] = value
     return c
 
 
@@ -71,18 +64,15 @@ def validate_loss_config(config: ml_collections.ConfigDict) -> None:
             f"loss config has unknown key(s) {sorted(given - expected)}; "
             f"valid keys: {sorted(expected)}"
         )
-    from espo_jax.rl.losses import LOSSES  # the registry imports this module
-
-    if config.name not in LOSSES:
-        raise ValueError(f"loss config name={config.name!r} is not one of {list(LOSSES)}")
-    if config.aggregation == "auto" and config.name not in PAPER_AGGREGATION:
-        raise ValueError(
-            f"aggregation='auto' needs PAPER_AGGREGATION[{config.name!r}]; register it or set "
-            f"aggregation to one of {list(AGGREGATIONS[1:])}"
-        )
     for key, allowed in _CHOICES.items():
         if config[key] not in allowed:
             raise ValueError(f"loss config {key}={config[key]!r} is not one of {list(allowed)}")
+    paper = LOSSES[config.name].aggregation
+    if config.aggregation == "auto" and paper not in AGGREGATION_MODES:
+        raise ValueError(
+            f"aggregation='auto' means LOSSES[{config.name!r}].aggregation={paper!r}, which is "
+            f"not one of {list(AGGREGATION_MODES)}"
+        )
     if config.aggregation == "group_mean" and config.name != "espo":
         raise ValueError(f"aggregation='group_mean' needs name='espo', got name={config.name!r}")
     checks = {

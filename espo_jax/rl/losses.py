@@ -7,23 +7,38 @@ registered loss returns the per-token clipped surrogate (to maximise) and its ra
 bounds; `policy_loss` then applies truncated importance sampling, aggregates, adds the KL penalty
 and returns `loss = -objective + kl_coef * KL` with flat metrics.
 
+`LOSSES` is the one registry: name -> `LossSpec(fn, aggregation, clip)`, the surrogate with the
+reduction and clip settings its paper reports. A new loss is a new function and an entry there;
+the config section (`espo_jax.rl.loss_config`) reads the registry, never the other way round.
+
 Clipped surrogate, written so the gradient at a clip boundary is the unclipped one:
     c(r, A, lo, hi) = clip(r, lo, hi) * A   if (A > 0 and r > hi) or (A < 0 and r < lo)
                       r * A                 otherwise              (= min(r A, clip(r) A))
 Sources: GRPO arXiv 2402.03300, DAPO 2503.14476, GSPO 2507.18071, ESPO 2512.00499 (Eq. 5-10).
 """
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 
-from espo_jax.rl.loss_config import PAPER_AGGREGATION, validate_loss_config
-
 sg = jax.lax.stop_gradient
+
+# The modes of `aggregate`, and the names `policy_loss` branches on.
+AGGREGATION_MODES = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+    "group_mean",
+)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_MODES = ("off", "token", "sequence")
+ESPO_TOKEN_RATIOS = ("gspo_token", "as_printed")
 
 
 class Surrogate(NamedTuple):
@@ -195,18 +210,31 @@ def espo(logp, old_logp, advantages, mask, config, *, entropy=None) -> Surrogate
 
 
 LossFn = Callable[..., Surrogate]
-LOSSES: dict[str, LossFn] = {
-    "grpo": grpo,
-    "dapo": dapo,
-    "gspo": gspo,
-    "gspo_token": gspo_token,
-    "espo": espo,
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: its surrogate and the settings its paper reports."""
+
+    fn: LossFn  # (logp, old_logp, advantages, mask, config, *, entropy) -> Surrogate
+    aggregation: str  # what `aggregation="auto"` means: the paper's mode of `aggregate`
+    clip: Mapping[str, float] = dataclasses.field(default_factory=dict)  # paper clip_low/high
+    # ({}: the config defaults, 0.2 / 0.2)
+
+
+_GSPO_CLIP = {"clip_low": 3e-4, "clip_high": 4e-4}
+LOSSES: dict[str, LossSpec] = {
+    "grpo": LossSpec(grpo, "seq_mean_token_mean"),
+    "dapo": LossSpec(dapo, "token_mean", {"clip_low": 0.2, "clip_high": 0.28}),
+    "gspo": LossSpec(gspo, "seq_mean_token_mean", _GSPO_CLIP),
+    "gspo_token": LossSpec(gspo_token, "seq_mean_token_mean", _GSPO_CLIP),
+    "espo": LossSpec(espo, "group_mean"),  # clip ranges come from entropies, not clip_low/high
 }
 
 
 def aggregation_mode(config: ml_collections.ConfigDict) -> str:
     """The `aggregate` mode a loss config uses (`auto` resolves to the paper's)."""
-    return PAPER_AGGREGATION[config.name] if config.aggregation == "auto" else config.aggregation
+    return LOSSES[config.name].aggregation if config.aggregation == "auto" else config.aggregation
 
 
 def aggregation_weight(mask_BxT: jax.Array, mode: str) -> jax.Array:
@@ -306,9 +334,13 @@ def policy_loss(
       KL_t k1/k2/k3 estimate of KL(pi || pi_ref) on the sampled tokens.
     `entropy` (old policy, constant) is needed by ESPO; `behaviour_logp` (the sampler's
     log-probs) by TIS; `ref_logp` by `kl_coef > 0`. Config values are static: wrap with
-    `functools.partial(policy_loss, config=cfg)` before `jax.jit`.
+    `functools.partial(policy_loss, config=cfg)` before `jax.jit`. The names it branches on are
+    checked here; ranges and keys by `loss_config.validate_loss_config` (`configs.validate`).
     """
-    validate_loss_config(config)
+    for key, allowed in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("tis", TIS_MODES),
+                         ("espo_token_ratio", ESPO_TOKEN_RATIOS)):
+        if config[key] not in allowed:  # the rest: `loss_config.validate_loss_config`
+            raise ValueError(f"loss config {key}={config[key]!r} is not one of {list(allowed)}")
     shape = jnp.shape(logp)
     named = {
         "old_logp": old_logp,
@@ -333,7 +365,7 @@ def policy_loss(
     logp = logp.astype(dtype)
     old_logp = old_logp.astype(dtype)
     adv = jnp.where(m > 0, sg(advantages.astype(dtype)), 0.0)
-    sur = LOSSES[config.name](logp, old_logp, adv, m, config, entropy=entropy)
+    sur = LOSSES[config.name].fn(logp, old_logp, adv, m, config, entropy=entropy)
     mode = aggregation_mode(config)
 
     def agg(x):

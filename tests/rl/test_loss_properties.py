@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from espo_jax.rl import advantages, loss_config, losses, reward_adjust
+from espo_jax.rewards import reward_adjust
+from espo_jax.rl import advantages, loss_config, losses
 
 SHAPE = (3, 5)  # fixed so that each loss compiles once
 SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True)

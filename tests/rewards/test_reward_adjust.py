@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo_jax.rl import advantages, reward_adjust
+from espo_jax.rewards import reward_adjust
+from espo_jax.rl import advantages
 
 # Jitted once each (cheaper than compiling every eager op on a busy CPU).
 tiered = jax.jit(reward_adjust.tiered_rewards, static_argnames=("tier_gap", "score_scale", "band"))

@@ -105,7 +105,7 @@ def test_ratio_one_gives_reinforce_gradient(name, run_loss):
     else:
         adv = np.asarray(rng.normal(size=(2, 5)), np.float32)
     _, met, grad = run_loss(cfg, old, old, adv, RF_MASK, entropy=RF_ENT)
-    weights = RF_WEIGHTS[loss_config.PAPER_AGGREGATION[cfg.name]]
+    weights = RF_WEIGHTS[losses.LOSSES[cfg.name].aggregation]
     # d(-J)/d logp_t = -A_t w_t: the REINFORCE gradient with the aggregation's token weights.
     np.testing.assert_allclose(grad, -adv * np.array(weights), rtol=1e-5, atol=1e-7)
     assert met["is_ratio/min"] == met["is_ratio/max"] == 1.0

@@ -5,8 +5,9 @@ reward (`naive_mix`), that flips the order inside a group, and group-relative ad
 push the policy towards the wrong answer: an *advantage inversion*. `tiered_rewards` composes
 in tiers instead: the verified outcome picks the tier and the score, squashed into a band
 narrower than the gap between tiers, only orders responses within a tier. Every group-relative
-advantage in `advantages.ADVANTAGES` is increasing in the reward, so a correct response then
-always gets a strictly higher advantage than a wrong one in its group (`inversion_rate` = 0).
+advantage in `espo_jax.rl.advantages.ADVANTAGES` is increasing in the reward, so a correct
+response then always gets a strictly higher advantage than a wrong one in its group
+(`inversion_rate` = 0).
 
 Three-way judges (better / tie / worse than a reference answer) give scores via
 `judge_to_score`; the paper reports they agree with strong judges more than scalar RMs.

@@ -1,7 +1,9 @@
 """Hand-computed values of every loss and aggregation mode, metrics, config validation, jit."""
 
+import ast
 import functools
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -285,6 +287,23 @@ def test_missing_inputs_are_named():
         losses.policy_loss(LOGP, OLD, ADV[:, :2], MASK, _cfg("grpo"))
 
 
+def test_policy_loss_rejects_names_it_would_branch_on():
+    for key, value in (("name", "ppo"), ("kl_estimator", "k4"), ("tis", "tokens"),
+                       ("espo_token_ratio", "pi_old")):
+        cfg = _cfg("grpo")
+        cfg[key] = value
+        with pytest.raises(ValueError, match=f"{key}='{value}' is not one of"):
+            losses.policy_loss(LOGP, OLD, ADV, MASK, cfg)
+
+
+def test_the_registry_does_not_import_the_config_section():
+    # loss_config reads LOSSES; losses knows nothing of configs (no import circle).
+    tree = ast.parse(pathlib.Path(losses.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in imported if m and m.startswith("espo_jax")}, imported
+
+
 def test_paper_configs_and_registry():
     assert set(losses.LOSSES) == {"grpo", "dapo", "gspo", "gspo_token", "espo"}
     assert loss_config.paper_loss_config("dapo").clip_high == 0.28
@@ -293,6 +312,37 @@ def test_paper_configs_and_registry():
         loss_config.validate_loss_config(loss_config.paper_loss_config(name))
     with pytest.raises(ValueError, match="unknown loss"):
         loss_config.paper_loss_config("ppo")
+
+
+# Every key of `paper_loss_config(name)` as the three tables before the `LossSpec` registry gave
+# it: the defaults, with DAPO's clip-higher 0.2 / 0.28 and GSPO's 3e-4 / 4e-4 (GSPO-token too).
+_PAPER_DEFAULTS = {
+    "aggregation": "auto", "aggregation_norm_len": 0, "espo_alpha": 0.02,
+    "espo_high_entropy_frac": 0.2, "espo_token_ratio": "gspo_token", "kl_coef": 0.0,
+    "kl_estimator": "k3", "tis": "off", "tis_cap": 2.0, "vocab_size": 151936,
+}
+PAPER_CONFIGS = {
+    "grpo": {"clip_low": 0.2, "clip_high": 0.2},
+    "dapo": {"clip_low": 0.2, "clip_high": 0.28},
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
+    "gspo_token": {"clip_low": 3e-4, "clip_high": 4e-4},
+    "espo": {"clip_low": 0.2, "clip_high": 0.2},
+}
+PAPER_AGGREGATION = {
+    "grpo": "seq_mean_token_mean", "dapo": "token_mean", "gspo": "seq_mean_token_mean",
+    "gspo_token": "seq_mean_token_mean", "espo": "group_mean",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_CONFIGS))
+def test_paper_loss_config_values(name):
+    expected = {**_PAPER_DEFAULTS, **PAPER_CONFIGS[name], "name": name}
+    got = loss_config.paper_loss_config(name).to_dict()
+    assert got == expected
+    assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in expected.items()}
+    assert list(got) == list(loss_config.default_loss_config())  # same keys, same order
+    assert losses.aggregation_mode(loss_config.paper_loss_config(name)) == PAPER_AGGREGATION[name]
+    assert set(losses.LOSSES) == set(PAPER_CONFIGS)  # a new loss gets a row here
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "gspo_token", "espo"])
@@ -315,20 +365,23 @@ def test_jit_matches_eager(name):
 
 
 def test_a_registered_loss_is_validated_and_used(run_loss):
-    # A new loss is a new function in LOSSES: REINFORCE J_t = r_t A_t, no clip.
+    # A new loss is a new function plus a LOSSES entry: REINFORCE J_t = r_t A_t, no clip.
     def reinforce(logp, old_logp, advantages, mask, config, *, entropy=None):
         ratio = jnp.exp(jnp.where(mask > 0, logp - old_logp, 0.0))
         ones = jnp.ones_like(ratio)
         return losses.Surrogate(ratio * advantages * mask, ratio, 0 * ones, 9 * ones, None, {})
 
-    losses.LOSSES["reinforce"] = reinforce
+    losses.LOSSES["reinforce"] = losses.LossSpec(reinforce, "token_mean", {"clip_high": 9.0})
     try:
-        cfg = _cfg("reinforce")
-        with pytest.raises(ValueError, match=r"PAPER_AGGREGATION\['reinforce'\]"):
-            loss_config.validate_loss_config(cfg)
-        cfg.aggregation = "token_mean"
+        cfg = loss_config.paper_loss_config("reinforce")
+        assert (cfg.clip_low, cfg.clip_high) == (0.2, 9.0)
+        loss_config.validate_loss_config(cfg)
+        assert losses.aggregation_mode(cfg) == "token_mean"  # aggregation="auto"
         loss, _, _ = run_loss(cfg, jnp.asarray(LOGP), OLD, ADV, MASK)
         # (0.7 + 1.1 + 1.3 - 0.7 - 1.1) / 5 = 1.3 / 5 = 0.26, unclipped.
         assert loss == pytest.approx(-0.26, abs=1e-6)
+        losses.LOSSES["reinforce"] = losses.LossSpec(reinforce, "mean")
+        with pytest.raises(ValueError, match=r"LOSSES\['reinforce'\].aggregation='mean'"):
+            loss_config.validate_loss_config(cfg)
     finally:
         del losses.LOSSES["reinforce"]
