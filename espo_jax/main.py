@@ -2,7 +2,9 @@
 
 `--config.x.y=v` overrides a field. Modes: `--config.mode=train` (default: the learner; with
 `train.loop=sync` the embedded engine runs in the same process) and `--config.mode=rollout` (a
-rollout worker process for the async layout; see `espo_jax.rollout.worker`).
+rollout worker process for the async layout: `--config.rollout.engine=jax` the JAX worker,
+`espo_jax.rollout.worker`; `vllm` the vLLM one, `espo_jax.rollout.vllm_cli`; both take the flags
+of `espo_jax.rollout.worker_flags`: `--worker_index`, `--num_workers`, ...).
 """
 
 import logging
@@ -10,22 +12,24 @@ import os
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "experiment config file", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and buffer")
+from espo_jax.rollout import worker_flags  # --config, --workdir and the rollout worker's flags
+
 # Multi-host (espo_jax/distributed.py): else ESPO_COORDINATOR / ESPO_NUM_PROCESSES /
 # ESPO_PROCESS_ID, else Slurm or ESPO_DISTRIBUTED=auto (TPU), else one process.
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes (hosts)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
-flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv) -> int:
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    config, workdir = worker_flags.CONFIG.value, worker_flags.WORKDIR.value
+    if (config.mode, config.rollout.engine) == ("rollout", "vllm"):
+        from espo_jax.rollout import vllm_cli  # before JAX starts: vLLM owns the accelerators
+
+        return vllm_cli.main_from_config(config, workdir, **worker_flags.worker_args())
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import jax
 
@@ -35,7 +39,6 @@ def main(argv) -> int:
     from espo_jax import configs, distributed
 
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    config, workdir = _CONFIG.value, _WORKDIR.value
     configs.validate(config, n_devices=jax.device_count())
     if jax.process_count() > 1 and (config.mode, config.train.loop) != ("train", "async"):
         raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
@@ -45,9 +48,7 @@ def main(argv) -> int:
     if config.mode == "rollout":
         from espo_jax.rollout import worker
 
-        return worker.main_from_config(
-            config, workdir, index=int(os.environ.get("ESPO_WORKER_INDEX", "0")),
-            num_workers=int(os.environ.get("ESPO_NUM_WORKERS", "1")))
+        return worker.main_from_config(config, workdir, **worker_flags.worker_args())
     if config.train.loop == "async":
         from espo_jax.train import async_loop
 
@@ -61,4 +62,5 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+    flags.adopt_module_key_flags(worker_flags)  # --help lists them
     sys.exit(app.run(main))

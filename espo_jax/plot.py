@@ -1,4 +1,5 @@
-"""Learning curves of a run: `python -m espo_jax.plot WORKDIR` writes PNGs to WORKDIR/plots.
+"""Learning curves of a run: `python -m espo_jax.plot WORKDIR [--out DIR]` writes PNGs to
+WORKDIR/plots (or DIR).
 
 Reads WORKDIR/metrics.jsonl (RL and held-out eval records; the warm start has its own step
 axis and is left out). One figure per topic; a topic is drawn when any of its metrics was
@@ -9,10 +10,11 @@ record of a step wins. Reads the file without JAX, so the command starts fast.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+
+from absl import app, flags
 
 # Topic -> metric names; a name ending in "*" matches every metric with that prefix.
 TOPICS = {
@@ -30,6 +32,7 @@ TOPICS = {
     "clipping": ("pg/clipfrac_low", "pg/clipfrac_high", "pg/clipfrac"),
 }
 PHASES = ("rl", "eval")
+_OUT = flags.DEFINE_string("out", None, "output folder (default WORKDIR/plots)")
 
 
 def read_records(path: str) -> list[dict]:
@@ -97,18 +100,17 @@ def plot_run(workdir: str, out_dir: str | None = None) -> list[str]:
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m espo_jax.plot")
-    parser.add_argument("workdir")
-    parser.add_argument("--out", default=None, help="output folder (default WORKDIR/plots)")
-    args = parser.parse_args(argv)
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        raise app.UsageError(f"give one WORKDIR; got {' '.join(argv[1:]) or 'none'}")
+    workdir = argv[1]
     try:
-        written = plot_run(args.workdir, args.out)
+        written = plot_run(workdir, _OUT.value)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not written:
-        print(f"error: no plottable metrics in {args.workdir}/metrics.jsonl", file=sys.stderr)
+        print(f"error: no plottable metrics in {workdir}/metrics.jsonl", file=sys.stderr)
         return 1
     for png in written:
         print(png)
@@ -116,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

@@ -48,6 +48,17 @@ def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
     return [prompts[i] for i in sorted(picked)]
 
 
+def prompt_sets(config: ml_collections.ConfigDict, workdir: str, tokenizer
+                ) -> tuple[Sequence[dict], Sequence[dict], list[dict]]:
+    """(RL pool, warm-start prompts, held-out evaluation prompts) of a run: the task's sources,
+    the RL pool cut to `data.rl_prompts` and the evaluation set to `eval.num_prompts`, spread
+    over levels. Every worker and the learner see the same lists."""
+    train, warm, test = tasks.prompt_sources(config, workdir, tokenizer)
+    if config.data.rl_prompts:
+        train = balanced_subset(train, config.data.rl_prompts, seed=config.seed)
+    return train, warm, balanced_subset(test, config.eval.num_prompts, seed=config.seed)
+
+
 def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """`config.model.preset` with the config's overrides (rope_theta when > 0; see
     `runtime_overrides` for the rest)."""
@@ -91,11 +102,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     sharding.validate_divisibility(model_config, mesh, rules)
     if not distributed.is_primary():  # process 0 prepares the TFDS data, the others wait
         distributed.sync("prompt_sources")
-    train, warm, test = tasks.prompt_sources(config, workdir, tokenizer)
+    train, warm, eval_prompts = prompt_sets(config, workdir, tokenizer)
     if distributed.is_primary():
         distributed.sync("prompt_sources")
-    if config.data.rl_prompts:
-        train = balanced_subset(train, config.data.rl_prompts, seed=config.seed)
-    eval_prompts = balanced_subset(test, config.eval.num_prompts, seed=config.seed)
     return RunSetup(config, workdir, model_config, tokenizer, mesh, rules, train, warm,
                     eval_prompts, hf_params)

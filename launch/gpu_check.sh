@@ -7,7 +7,7 @@
 #     without router replay, and FP8 vs bf16 generated tokens/s on a ~0.2B MoE.
 #
 # Usage:  launch/gpu_check.sh                 on a machine with a CUDA GPU
-#         launch/gpu_check.sh --cpu-dry-run   anywhere: everything except vLLM (export, the
+#         launch/gpu_check.sh --cpu_dry_run   anywhere: everything except vLLM (export, the
 #                                             conversion of a recorded output, the learner-side
 #                                             mismatch); the JAX engine with FP8 weights stands
 #                                             in for vLLM. Run by tests/rollout/test_vllm_cpu.py.
@@ -16,13 +16,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
-if [[ -n "${1:-}" && "$1" != "--cpu-dry-run" ]]; then
-  echo "usage: $0 [--cpu-dry-run]" >&2
+if [[ -n "${1:-}" && "$1" != "--cpu_dry_run" ]]; then
+  echo "usage: $0 [--cpu_dry_run]" >&2
   exit 2
 fi
 if [[ -z "${1:-}" ]] && ! nvidia-smi -L >/dev/null 2>&1; then
   echo "[gpu_check] no NVIDIA GPU (nvidia-smi): FP8 and routing capture are GPU-only in vLLM." >&2
-  echo "[gpu_check] run '$0 --cpu-dry-run' for the parts that do not need one." >&2
+  echo "[gpu_check] run '$0 --cpu_dry_run' for the parts that do not need one." >&2
   exit 2
 fi
 WORKDIR=${WORKDIR:-$(mktemp -d -t espo_gpu_check.XXXXXX)}
@@ -31,9 +31,9 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$HOME/.cache/espo_
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.5}
 step() { echo "[gpu_check] $(date +%T) $*"; }
 
-if [[ "${1:-}" == "--cpu-dry-run" ]]; then
+if [[ "${1:-}" == "--cpu_dry_run" ]]; then
   step "dry run (no vLLM) in $WORKDIR"
-  timeout 600 "$PYTHON" launch/gpu_check.py dry-run "$WORKDIR"
+  timeout 600 "$PYTHON" launch/gpu_check.py dry_run --workdir="$WORKDIR"
   step "done: $WORKDIR/summary.json"
   exit 0
 fi
@@ -50,13 +50,13 @@ fi
 torch.__version__, torch.cuda.get_device_name(0))"
 
 step "export (JAX, CPU) -> $WORKDIR"
-timeout 300 "$PYTHON" launch/gpu_check.py export "$WORKDIR" --bench
+timeout 300 "$PYTHON" launch/gpu_check.py export --workdir="$WORKDIR" --bench
 step "vLLM: FP8 + routing capture, reload in place"
-timeout 300 "$PYTHON" launch/gpu_check.py sample "$WORKDIR"
+timeout 300 "$PYTHON" launch/gpu_check.py sample --workdir="$WORKDIR"
 for q in fp8 bf16; do
   step "vLLM throughput: $q"
-  timeout 300 "$PYTHON" launch/gpu_check.py throughput "$WORKDIR" --quant "$q"
+  timeout 300 "$PYTHON" launch/gpu_check.py throughput --workdir="$WORKDIR" --quant="$q"
 done
 step "analyze (JAX learner, CPU)"
-timeout 300 "$PYTHON" launch/gpu_check.py analyze "$WORKDIR"
+timeout 300 "$PYTHON" launch/gpu_check.py analyze --workdir="$WORKDIR"
 step "done: $WORKDIR/summary.json"

@@ -8,11 +8,12 @@
 #            (experiments/qwen3_30b_a3b.py:tpu: fsdp over the 32 chips of a v5p-64). With
 #            train.loop=async the learner starts no workers (train.num_workers=0): rollouts
 #            come from vLLM workers on GPUs (launch/slurm_vllm.sbatch's rollout step, or
-#            espo_jax.rollout.vllm_worker by hand) or from ROLE=rollout on a second slice.
+#            python -m espo_jax.rollout.vllm_cli by hand) or from ROLE=rollout on a second slice.
 #   ROLE=rollout            JAX rollout workers on single-host TPU VMs (TPU_NAME: a
-#            comma-separated list of them): python -m espo_jax.main --config.mode=rollout, one
+#            comma-separated list of them): python -m espo_jax.main --config.mode=rollout
+#            --config.rollout.engine=jax (the config's vLLM engine is for GPUs), one
 #            independent process per VM on its chips (no jax.distributed), worker index = its
-#            position in the list (ESPO_WORKER_INDEX / ESPO_NUM_WORKERS).
+#            position in the list (--worker_index / --num_workers).
 # Learner and workers meet at WORKDIR (buffer/, weights/): a filesystem mounted at the same
 # path on every host of both sides (Filestore NFS or a gcsfuse mount of a bucket).
 #
@@ -83,8 +84,9 @@ log "rollout workers on ${#NAMES[@]} TPU VMs (${NAMES[*]}) -> $WORKDIR"
 pids=()
 for i in "${!NAMES[@]}"; do
   "${GCLOUD[@]}" ssh "${LOC[@]}" "${NAMES[$i]}" --worker=all --command \
-    "$ENV export ESPO_DISTRIBUTED=off ESPO_WORKER_INDEX=$i ESPO_NUM_WORKERS=${#NAMES[@]}; \
-     cd $(q "$REMOTE_DIR") && $MAIN --config.mode=rollout $EXTRA" &
+    "$ENV export ESPO_DISTRIBUTED=off; cd $(q "$REMOTE_DIR") && \
+     $MAIN --config.mode=rollout --config.rollout.engine=jax --worker_index=$i \
+     --num_workers=${#NAMES[@]} $EXTRA" &
   pids+=($!)
 done
 trap 'kill -TERM "${pids[@]}" 2>/dev/null || true' INT TERM

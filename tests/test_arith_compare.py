@@ -4,6 +4,8 @@ resume rule (a finished run is not run again)."""
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
@@ -52,3 +54,15 @@ def test_finished_run_is_not_run_again(tmp_path):
     (tmp_path / "grpo" / "summary.json").write_text(json.dumps(done))
     # an experiment that does not exist: running it would fail
     assert compare.run_main(str(tmp_path), "grpo", "no_such_experiment", []) == done
+
+
+def test_command_line_usage_errors(tmp_path):
+    script = os.path.join(REPO, "launch", "arith_compare.py")
+    run = lambda *a: subprocess.run([sys.executable, script, *a], capture_output=True,
+                                    text=True, timeout=60, cwd=tmp_path)
+    for args, message in ((["--jobs=2"], "Flag --workdir must have a value other than None"),
+                          (["--workdir", str(tmp_path), "--flags=x"],
+                           "Unknown command line flag 'flags'")):
+        proc = run(*args)
+        assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path) == []  # nothing run

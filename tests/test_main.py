@@ -1,6 +1,8 @@
 """The main job's config checks: `configs.validate` names the key and the allowed values, and
-`python -m espo_jax.main` stops on a bad value before anything is compiled or written."""
+`python -m espo_jax.main` stops on a bad value before anything is compiled or written; its
+command line (the rollout workers' flags, absl's usage errors) and `--config.mode=rollout`."""
 
+import json
 import os
 import subprocess
 import sys
@@ -184,3 +186,46 @@ def test_main_rejects_bad_value_before_compiling(tmp_path):
     assert "config.train.replay='bogus' is not one of ('r3', 'r2', 'off')" in out
     assert "Compiling" not in out and "Finished tracing" not in out
     assert not workdir.exists()  # nothing prepared or written: no data, no checkpoints
+
+
+def _main(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "espo_jax.main", "--config",
+                           os.path.join(REPO, "experiments", "arith_espo.py:small"), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_main_takes_the_rollout_workers_flags():
+    helped = subprocess.run([sys.executable, "-m", "espo_jax.main", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    for flag in ("--config", "--workdir", "--worker_index", "--num_workers", "--max_batches",
+                 "--until_version", "--stats", "--coordinator_address"):
+        assert f"  {flag}: " in helped.stdout, (flag, helped.stdout)
+    bad = _main("--workdir", "/nonexistent/run", "--publish_dir=w")
+    assert bad.returncode == 1 and "Unknown command line flag 'publish_dir'" in bad.stderr
+
+
+def test_rollout_mode_starts_the_configured_engine(tmp_path):
+    """`--config.mode=rollout`: the JAX worker with rollout.engine=jax (here until
+    `--max_batches=0`: it loads the published weights, writes its counters and stops), the
+    vLLM worker with rollout.engine=vllm (here without vLLM: it says so before anything runs)."""
+    import importlib.util
+
+    import jax
+
+    from espo_jax import models
+    from espo_jax.buffer import weights
+
+    tiny = models.get_preset("tiny")
+    weights.publish(tmp_path / "weights", 3, tiny,
+                    jax.device_get(models.init_params(tiny, jax.random.key(0))))
+    stats = tmp_path / "stats.json"
+    jax_worker = _main("--workdir", str(tmp_path), "--config.mode=rollout",
+                       "--config.rollout.engine=jax", "--max_batches=0", f"--stats={stats}")
+    assert jax_worker.returncode == 0, jax_worker.stderr[-3000:]
+    counters = json.loads(stats.read_text())
+    assert (counters["worker/batches"], counters["worker/policy_version"]) == (0, 3)
+    if importlib.util.find_spec("vllm") is None:
+        vllm_worker = _main("--workdir", str(tmp_path / "vllm"), "--config.mode=rollout",
+                            "--config.rollout.engine=vllm", timeout=120)
+        assert vllm_worker.returncode == 1 and "vLLM is not importable" in vllm_worker.stderr
+        assert not (tmp_path / "vllm").exists()

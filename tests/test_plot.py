@@ -89,3 +89,7 @@ def test_cli(tmp_path):
                                                for t in plot.TOPICS)
     missing = run(str(tmp_path / "nope"))
     assert missing.returncode == 2 and "metrics.jsonl not found" in missing.stderr
+    for bad, message in (([], "give one WORKDIR; got none"),  # absl usage errors: exit 1
+                         ([str(tmp_path), "--bogus"], "Unknown command line flag 'bogus'")):
+        usage = run(*bad)
+        assert usage.returncode == 1 and message in usage.stderr, usage.stderr

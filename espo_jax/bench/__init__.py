@@ -2,7 +2,9 @@
 
 Each benchmark is a module `espo_jax.bench.<name>` with `run(quick: bool) -> dict`. It measures
 things side by side in one process (this against that, same inputs, medians of repeats), prints
-a table, and returns its figures; the runner writes them to `--out` as JSON.
+a table, and returns its figures; the runner (`espo_jax.bench.__main__`, absl flags) writes them
+to `--out` as JSON. A benchmark's own flags (zve's `--init_from`, `--budget`, `--prompts`) are
+defined in the runner too and reach its `run` as keyword arguments.
 """
 
 import statistics

