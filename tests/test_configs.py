@@ -1,0 +1,107 @@
+"""`configs.validate`: every bad value named with its key and the allowed values, all at once,
+before anything is compiled (divisibility with the numbers, the mesh against the devices)."""
+
+import pytest
+
+from espo_jax import configs
+
+
+def _small():
+    c = configs.default_config()
+    configs.apply_small(c)  # 4 prompts x 4 samples = 16 rows per rollout batch
+    return c
+
+
+def test_default_and_small_configs_validate():
+    configs.validate(configs.default_config(), n_devices=1)
+    configs.validate(_small(), n_devices=1)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("train.replay", "bogus", "config.train.replay='bogus' is not one of ('r3', 'r2', 'off')"),
+        ("train.loop", "fast", "config.train.loop='fast' is not one of ('sync', 'async')"),
+        ("rollout.precision", "int4",
+         "config.rollout.precision='int4' is not one of ('fp32', 'bf16', 'fp8')"),
+        ("advantage.name", "ppo",
+         "config.advantage.name='ppo' is not one of ('grpo', 'dr_grpo', 'rloo')"),
+        ("model.preset", "huge", "config.model.preset='huge' is not one of ('tiny', 'small'"),
+        ("loss.name", "ppo_kl", "name='ppo_kl' is not one of ['grpo', 'dapo', 'gspo'"),
+        ("train.steps", -1, "config.train.steps must be >= 0 (0: warm start only), got -1"),
+        ("train.micro_batches", 0, "config.train.micro_batches must be >= 1, got 0"),
+        ("warmstart.max_seconds", -5.0, "config.warmstart.max_seconds must be >= 0"),
+        ("advantage.negative_scale", 1.5,
+         "config.advantage.negative_scale must be in [0, 1], got 1.5"),
+        ("model.rope_theta", -1.0, "config.model.rope_theta must be >= 0 (0: the preset's)"),
+        ("train.anchor_coef", -0.5, "config.train.anchor_coef and config.train.anchor_rows "
+         "must be >= 0, got -0.5 and 0"),
+        ("rollout.temperature", 0.0, "config.rollout.temperature must be > 0, got 0.0"),
+    ],
+)
+def test_bad_choice_names_key_and_allowed_values(key, value, message):
+    c = _small()
+    section, name = key.split(".")
+    c[section][name] = value
+    with pytest.raises(ValueError, match="invalid config") as e:
+        configs.validate(c, n_devices=1)
+    assert message in str(e.value)
+
+
+def test_anchor_needs_warm_start_levels():
+    c = _small()
+    c.train.anchor_coef = 0.5
+    configs.validate(c, n_devices=1)
+    c.mesh.data = 2
+    c.train.anchor_rows = 3  # rows of the anchor batch are split over the data shards
+    with pytest.raises(ValueError, match=r"anchor rows 3 .* not divisible by mesh.data"):
+        configs.validate(c, n_devices=2)
+    c.warmstart.levels = ()
+    with pytest.raises(ValueError, match="config.warmstart.levels is empty"):
+        configs.validate(c, n_devices=2)
+
+
+def test_negative_attention_chunk_is_rejected():
+    c = _small()
+    c.model.attention_chunk = -8
+    with pytest.raises(ValueError, match=r"config.model.attention_chunk must be >= 0"):
+        configs.validate(c, n_devices=1)
+
+
+def test_divisibility_messages_name_the_numbers():
+    c = _small()
+    c.train.updates_per_batch = 3
+    with pytest.raises(ValueError) as e:
+        configs.validate(c, n_devices=1)
+    # 4 prompts x 4 samples = 16 rows, not a multiple of 3 updates.
+    assert ("rollout rows prompts_per_step*zve.n_samples = 16 not divisible by "
+            "train.updates_per_batch = 3") in str(e.value)
+    c = _small()
+    c.train.updates_per_batch = 2  # 8 rows per update
+    c.train.micro_batches = 2
+    c.mesh.data = 3
+    with pytest.raises(ValueError) as e:
+        configs.validate(c, n_devices=8)
+    # 8 rows over 2 micro-batches x 3 data shards (6) leave a remainder.
+    assert ("rows per update 8 not divisible by train.micro_batches * mesh.data * mesh.fsdp = "
+            "2 * 3 * 1") in str(e.value)
+    c.mesh.data = 2  # 2 * 2 = 4 divides 8
+    configs.validate(c, n_devices=8)
+
+
+def test_mesh_larger_than_devices():
+    c = _small()
+    c.mesh.data, c.mesh.expert = 2, 4
+    configs.validate(c, n_devices=8)
+    with pytest.raises(ValueError, match="mesh data\\*fsdp\\*expert\\*tensor = 8 but only 4 "
+                                         "devices are visible"):
+        configs.validate(c, n_devices=4)
+
+
+def test_every_problem_is_listed_at_once():
+    c = _small()
+    c.train.replay, c.rollout.engine = "r9", "trt"
+    with pytest.raises(ValueError) as e:
+        configs.validate(c, n_devices=1)
+    assert "config.train.replay='r9'" in str(e.value)
+    assert "config.rollout.engine='trt' is not one of ('jax', 'vllm')" in str(e.value)
