@@ -1,6 +1,9 @@
-"""espo_jax.rollout: generation side of the pipeline.
+"""espo_jax.rollout: the generation side of the pipeline.
 
-records (RolloutGroup/Response, encode/decode), buffer (BufferWriter/BufferReader over ArrayRecord
-shards), shards (shard file names and listing); engines, workers and scheduling alongside.
-Import the submodule you need: this package imports nothing (worker processes start fast).
+The embedded JAX engine (`engine.Engine`, its jitted pieces in `decode`, continuous batching in
+`batching`), sampling, length-aware scheduling, generation with overlapped scoring (`generate`),
+the rollout workers (`worker` for the JAX engine, `vllm_worker` / `vllm_cli` for vLLM, the flags
+both take in `worker_flags`), vLLM output conversion and the JetStream adapter. What workers
+write and the learner reads is the `espo_jax.buffer` contract. Import the submodule you need:
+this package imports nothing (worker processes start fast).
 """
