@@ -164,6 +164,28 @@ def _choice(errors: list[str], config, key: str, allowed) -> None:
         errors.append(f"config.{key}={value!r} is not one of {tuple(allowed)}")
 
 
+# key, lowest value, whether the lowest value itself is allowed, highest value (None: none)
+_BOUNDS = (
+    ("optim.lr", 0.0, False, None),
+    ("warmstart.lr", 0.0, False, None),
+    ("optim.warmup_steps", 0, True, None),
+    ("optim.final_lr_frac", 0.0, True, 1.0),
+    ("warmstart.batch_size", 1, True, None),
+    ("checkpoint.every", 1, True, None),
+    ("checkpoint.keep", 1, True, None),
+    ("eval.every", 0, True, None),
+    ("eval.num_prompts", 1, True, None),
+    ("eval.pass_k", 0, True, None),
+    ("rollout.top_k", 0, True, None),
+    ("rollout.top_p", 0.0, False, 1.0),
+    ("rollout.reward_workers", 1, True, None),
+    ("rollout.reward_timeout_s", 0.0, False, None),
+    ("train.max_staleness", 0, True, None),
+    ("train.num_workers", 0, True, None),  # 0: the launch script starts the workers
+    ("zve.zvp.alpha", 0.0, True, None),
+)
+
+
 def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     """Raises ValueError listing every problem, each naming its key and the allowed values."""
     from espo_jax.rl.loss_config import validate_loss_config
@@ -217,6 +239,21 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
                       f"{config.warmstart.max_seconds}")
     if config.rollout.temperature <= 0:
         errors.append(f"config.rollout.temperature must be > 0, got {config.rollout.temperature}")
+    for key, low, low_ok, high in _BOUNDS:
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        if value < low or (value == low and not low_ok) or (high is not None and value > high):
+            allowed = f"{'>=' if low_ok else '>'} {low}" + (f" and <= {high}" if high else "")
+            errors.append(f"config.{key} must be {allowed}, got {value}")
+    if config.data.name == "arith_chains":
+        n_levels = len(config.data.levels)
+        for key in ("data.train_levels", "data.eval_levels", "warmstart.levels"):
+            section, name = key.split(".")
+            bad = [lv for lv in config[section][name] if not 1 <= lv <= n_levels]
+            if bad:
+                errors.append(f"config.{key} has levels {bad} outside 1..{n_levels} (the levels "
+                              f"of config.data.levels)")
     if not errors:
         rows = config.rollout.prompts_per_step * config.zve.n_samples
         per_update = rows // config.train.updates_per_batch

@@ -105,3 +105,32 @@ def test_every_problem_is_listed_at_once():
         configs.validate(c, n_devices=1)
     assert "config.train.replay='r9'" in str(e.value)
     assert "config.rollout.engine='trt' is not one of ('jax', 'vllm')" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("optim.lr", -1.0, "config.optim.lr must be > 0.0, got -1.0"),  # gradient ascent
+        ("eval.num_prompts", -3, "config.eval.num_prompts must be >= 1, got -3"),
+        ("checkpoint.every", 0, "config.checkpoint.every must be >= 1, got 0"),
+        ("checkpoint.keep", 0, "config.checkpoint.keep must be >= 1, got 0"),
+        ("eval.pass_k", -1, "config.eval.pass_k must be >= 0, got -1"),
+        ("rollout.top_p", 1.5, "config.rollout.top_p must be > 0.0 and <= 1.0, got 1.5"),
+        ("rollout.top_k", -2, "config.rollout.top_k must be >= 0, got -2"),
+        ("rollout.reward_timeout_s", 0.0, "config.rollout.reward_timeout_s must be > 0.0"),
+        ("optim.warmup_steps", -1, "config.optim.warmup_steps must be >= 0, got -1"),
+        ("train.max_staleness", -1, "config.train.max_staleness must be >= 0, got -1"),
+        ("zve.zvp.alpha", -0.1, "config.zve.zvp.alpha must be >= 0.0, got -0.1"),
+        ("data.eval_levels", (1, 7), "config.data.eval_levels has levels [7] outside 1..5"),
+    ],
+)
+def test_out_of_range_values_are_named(key, value, message):
+    c = configs.default_config()
+    section, *rest = key.split(".")
+    target = c[section]
+    for part in rest[:-1]:
+        target = target[part]
+    target[rest[-1]] = value
+    with pytest.raises(ValueError, match="invalid config") as e:
+        configs.validate(c, n_devices=1)
+    assert message in str(e.value)
