@@ -1,18 +1,11 @@
 """MS-ZVE stage 1: sample counts from pass-rate estimates, settled prompts skipped."""
 
 import pytest
+from helpers.zve_groups import ids, prompts
 
 from espo_jax.zve.adaptive import adaptive_samples, zero_variance_prob
 from espo_jax.zve.config import default_zve_config
 from espo_jax.zve.scheduler import PromptScheduler
-
-
-def _prompts(n):
-    return [{"prompt_id": f"p{i}", "prompt": f"{i}+1="} for i in range(n)]
-
-
-def _ids(drawn):
-    return [p["prompt_id"] for p, _ in drawn]
 
 
 def test_adaptive_samples_by_hand():
@@ -33,7 +26,7 @@ def test_stage1_skips_settled_prompts_until_their_evidence_ages():
     cfg = default_zve_config()
     cfg.adaptive.enabled = True
     cfg.adaptive.target_zv = 0.2
-    sched = PromptScheduler(_prompts(3), cfg, seed=0)
+    sched = PromptScheduler(prompts(3), cfg, seed=0)
     sched.observe("p0", [1, 0, 1, 0, 1, 0, 1, 0])  # 4/8: p = 4.5/9 = .5 -> 4 samples
     sched.observe("p1", [1] * 8)  # 8/8: p = 8.5/9 = .944 -> settled
     assert sched.samples_for("p0") == 4 and sched.samples_for("p1") == 0
@@ -41,7 +34,7 @@ def test_stage1_skips_settled_prompts_until_their_evidence_ages():
     # epoch 0 and 1 skip p1 (t: 8 -> 5.6 -> 3.92; at 5.6 p = 6.1/6.6 = .924, .924^16 = .28
     # > .2, still settled); at 3.92 < min_obs = 4 the estimate is no longer trusted: 8 samples
     drawn = sched.next_prompts(7)
-    assert sorted(_ids(drawn)) == ["p0"] * 3 + ["p1"] + ["p2"] * 3
+    assert sorted(ids(drawn)) == ["p0"] * 3 + ["p1"] + ["p2"] * 3
     assert {n for p, n in drawn if p["prompt_id"] == "p0"} == {4}
     assert [n for p, n in drawn if p["prompt_id"] == "p1"] == [8]
     m = sched.pop_metrics()

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from zve_groups import make_group
+from helpers.zve_groups import make_group
 
 from espo_jax.zve.groups import ScoredGroup, binary_outcomes, groups_and_rewards
 

@@ -1,7 +1,7 @@
 """MS-ZVE's per-step metrics on hand-built groups."""
 
 import pytest
-from zve_groups import make_group
+from helpers.zve_groups import make_group
 
 from espo_jax.zve.groups import ScoredGroup
 from espo_jax.zve.metrics import step_metrics

@@ -1,7 +1,7 @@
 """MS-ZVE stage 0: offline pruning, its early stop, and the pass around a rollout callback."""
 
 import pytest
-from zve_groups import make_group
+from helpers.zve_groups import ids, make_group, prompts
 
 from espo_jax.zve.config import default_zve_config
 from espo_jax.zve.offline import offline_undecided
@@ -9,25 +9,17 @@ from espo_jax.zve.pipeline import ZVEPipeline
 from espo_jax.zve.scheduler import PromptScheduler
 
 
-def _prompts(n):
-    return [{"prompt_id": f"p{i}", "prompt": f"{i}+1="} for i in range(n)]
-
-
-def _ids(drawn):
-    return [p["prompt_id"] for p, _ in drawn]
-
-
 def test_stage0_offline_pruning():
     cfg = default_zve_config()
-    sched = PromptScheduler(_prompts(4), cfg, seed=0)
+    sched = PromptScheduler(prompts(4), cfg, seed=0)
     assert sched.offline_prune({"p0": 0.0}) == []  # disabled: a no-op
     cfg.offline.enabled = True
-    sched = PromptScheduler(_prompts(4), cfg, seed=0)
+    sched = PromptScheduler(prompts(4), cfg, seed=0)
     plan = sched.offline_plan()
     assert [(p["prompt_id"], k) for p, k in plan] == [(f"p{i}", 8) for i in range(4)]
     pruned = sched.offline_prune({"p0": 0.0, "p1": 1.0, "p2": 0.5, "p3": 0.125})
     assert pruned == ["p0", "p1"]
-    assert sorted(_ids(sched.next_prompts(2))) == ["p2", "p3"]  # one epoch: the survivors
+    assert sorted(ids(sched.next_prompts(2))) == ["p2", "p3"]  # one epoch: the survivors
     # the estimate seeds stage 1's history: p3 = 1 of 8 -> (1 + .5) / (8 + 1)
     assert sched.pass_rate("p3") == pytest.approx(1.5 / 9)
     assert sched.pop_metrics()["zve/pruned"] == 2

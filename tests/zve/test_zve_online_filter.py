@@ -4,7 +4,7 @@ import warnings
 
 import numpy as np
 import pytest
-from zve_groups import make_group
+from helpers.zve_groups import make_group
 
 from espo_jax.zve.config import default_zve_config
 from espo_jax.zve.groups import ScoredGroup

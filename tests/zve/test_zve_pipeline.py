@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
-from zve_groups import make_group, reward_fields
+from helpers.zve_groups import make_group, reward_fields
 
 from espo_jax.zve.config import default_zve_config
 from espo_jax.zve.pipeline import ZVEPipeline

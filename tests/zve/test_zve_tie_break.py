@@ -1,7 +1,7 @@
 """MS-ZVE stage 2: each group's rewards, read from the RolloutGroup, never written back."""
 
 import numpy as np
-from zve_groups import make_group, reward_fields
+from helpers.zve_groups import make_group, reward_fields
 
 from espo_jax.rewards.shaping import tie_break_rewards
 from espo_jax.zve.config import default_zve_config

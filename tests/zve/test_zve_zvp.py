@@ -2,7 +2,7 @@
 the online filter's keep mask and the metrics' zero-variance count agree on scripted groups."""
 
 import numpy as np
-from zve_groups import make_group
+from helpers.zve_groups import make_group
 
 from espo_jax.train.learner import group_advantages
 from espo_jax.zve import zvp

@@ -1,4 +1,5 @@
-"""Scored `RolloutGroup`s for the MS-ZVE tests, built from outcomes and lengths by hand."""
+"""For the MS-ZVE tests: prompt dicts, the ids of a drawn plan, and scored `RolloutGroup`s built
+from outcomes and lengths by hand."""
 
 import numpy as np
 
@@ -25,3 +26,13 @@ def make_group(outcomes, lengths=None, pid="p", credits=None, rewards=None) -> R
 def reward_fields(groups) -> list[list]:
     """Every response's `reward` field, to check that nothing wrote to them."""
     return [[r.reward for r in g.responses] for g in groups]
+
+
+def prompts(n: int) -> list[dict]:
+    """`n` prompt dicts `p0`, `p1`, ... as a prompt source gives them."""
+    return [{"prompt_id": f"p{i}", "prompt": f"{i}+1="} for i in range(n)]
+
+
+def ids(drawn) -> list:
+    """The prompt ids of a scheduler's plan `[(prompt, n_samples), ...]`."""
+    return [p["prompt_id"] for p, _ in drawn]
