@@ -130,10 +130,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.num_workers = 2  # async: rollout worker processes
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # mesh axis sizes; their product must equal the device count
-    c.mesh.fsdp = 1
-    c.mesh.expert = 1
-    c.mesh.tensor = 1
+    # Mesh axis sizes; their product is the number of devices the learner uses.
+    c.mesh.data = 1  # data parallel: the batch's rows
+    c.mesh.fsdp = 1  # fully sharded data parallel: rows, and the weights' model dimension
+    c.mesh.expert = 1  # expert parallel: the experts of every MoE layer
+    c.mesh.tensor = 1  # tensor parallel: heads, MLP hidden units, vocabulary
     # Logical axis name -> mesh axes, for parameters and the model's activation constraints
     # (MaxText `logical_axis_rules`); the learner traces its steps under them.
     c.mesh.rules = sharding.DEFAULT_RULES
