@@ -192,7 +192,7 @@ def engine_rollout(engine, pool, *, seed: int, n_experts: int | None) -> Generat
 
 def bench_config(quick: bool, prompts: int | None, init_from: str | None
                  ) -> ml_collections.ConfigDict:
-    """The default experiment's config (`arith_config`), sized for this benchmark."""
+    """The default experiment's config (`experiments/arith_espo.py`), sized for this benchmark."""
     from espo_jax import configs
 
     c = configs.experiment_config("arith_espo", "small" if quick else None)

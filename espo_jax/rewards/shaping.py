@@ -4,7 +4,7 @@
 A group whose responses are all right has no reward contrast, so group-relative advantages are
 zero. A bounded length term inside the correct tier breaks the tie (shorter right answers rank
 higher by default) without ever lifting a wrong answer over a right one: the composition is
-`espo_jax.rl.reward_adjust.tiered_rewards`, whose score band is narrower than the tier gap.
+`espo_jax.rewards.reward_adjust.tiered_rewards`, whose score band is narrower than the tier gap.
 
 Only correct responses get the length term; wrong ones sit at the bottom of their tier with a
 score of 0 (their ranking among themselves would reward "wrong but short", which is not a

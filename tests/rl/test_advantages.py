@@ -8,7 +8,7 @@ import pytest
 from espo_jax.rl import advantages
 
 # Jitted once each: one compile is cheaper than compiling every eager op (eager == jit is
-# checked in test_rl_properties).
+# checked in test_loss_properties).
 grpo = jax.jit(advantages.grpo)
 rl_zvp = jax.jit(advantages.rl_zvp, static_argnames="base")
 overlong_penalty = jax.jit(advantages.overlong_penalty, static_argnames=("max_len", "cache_len"))
