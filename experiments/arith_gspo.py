@@ -5,7 +5,7 @@ Identical to `arith_espo.py` except for the loss (the recipe is `arith_common.py
     python -m espo_jax.main --config experiments/arith_gspo.py --workdir /tmp/espo_arith_gspo
 
 Measured from `arith_espo.py`'s seed-0 warm start (`--config.checkpoint.init_from`, as
-`python launch/arith_compare.py --workdir /tmp/cmp7 --jobs 1` runs it): held-out greedy
+`python launch/arith_compare.py --workdir /tmp/arith_compare --jobs 1` runs it): held-out greedy
 accuracy 0.700 -> 0.815 (+11.5 points) after 120 RL steps (306 s of RL; ESPO +17.5),
 2026-12-01 (main at d39660c), 2-core AMD EPYC CPU, run alone. See
 experiments/results/arith_comparison.json.

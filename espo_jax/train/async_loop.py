@@ -24,7 +24,8 @@ import numpy as np
 from espo_jax import distributed
 from espo_jax.buffer import BufferReader, weights
 from espo_jax.models import hf_io
-from espo_jax.train.loop import Run, trained_rollout_metrics
+from espo_jax.train.loop import Run
+from espo_jax.train.metrics import rollout_metrics
 from espo_jax.zve import OnlineFilter, ScoredGroup, groups_and_rewards, score_groups, step_metrics
 
 
@@ -118,7 +119,7 @@ class AsyncRun(Run):
                 self._publish(publish_dir, step, state.params)
                 t_done = time.time()
                 self.record_step(meta, step, zmetrics, lmetrics)
-                metrics = {**zmetrics, **lmetrics, **trained_rollout_metrics(groups, rewards),
+                metrics = {**zmetrics, **lmetrics, **rollout_metrics(groups, rewards),
                            "async/staleness_max": float(max(lags, default=0)),
                            "async/staleness_mean": float(np.mean(lags)) if lags else 0.0,
                            "async/stale_dropped": float(reader.stats["stale_dropped"]),

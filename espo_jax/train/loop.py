@@ -17,7 +17,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from espo_jax import distributed, run_setup, sharding, tasks
 from espo_jax.buffer import BufferReader, BufferWriter
@@ -58,19 +57,6 @@ def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
             os.remove(os.path.join(buffer_dir, shard.name))
             removed += 1
     return removed
-
-
-def trained_rollout_metrics(groups, rewards) -> dict[str, float]:
-    """`rollout_metrics` of the groups a step trains on, with `rollout/reward_*` of the rewards
-    the learner trains with (MS-ZVE's, possibly stage-2 shaped; one array per group), not the
-    reward function's in the records."""
-    metrics = rollout_metrics(groups)
-    if rewards:
-        flat = np.concatenate([np.asarray(r, np.float32) for r in rewards]).astype(np.float64)
-        if flat.size:
-            metrics["rollout/reward_mean"] = float(flat.mean())
-            metrics["rollout/reward_max"] = float(flat.max())
-    return metrics
 
 
 class Run:
@@ -284,7 +270,7 @@ class SyncRun(Run):
             step += 1
             self.record_step(meta, step, zmetrics, lmetrics)
             metrics = {**zmetrics, **lmetrics, **self.pool.metrics(),
-                       **trained_rollout_metrics(groups, rewards),
+                       **rollout_metrics(groups, rewards),
                        "time/step_s": t_done - t_step, "time/rollout_s": t_update - t_step,
                        "time/update_s": t_done - t_update}
             if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:

@@ -53,15 +53,20 @@ class MetricLogger:
             self._writer.close()
 
 
-def rollout_metrics(groups: Sequence[Any]) -> dict[str, float]:
-    """Per-step figures of the scored groups a learner trains on (`RolloutGroup`s):
-    `rollout/accuracy` (mean binary outcome), `rollout/reward_mean` / `rollout/reward_max`
-    (the shaped reward) and `rollout/response_len_mean` (tokens). Empty input gives zeros."""
+def rollout_metrics(groups: Sequence[Any], rewards: Sequence[Any]) -> dict[str, float]:
+    """Per-step figures of the scored groups a learner trains on (`RolloutGroup`s) and the
+    rewards it trains with (one array per group: MS-ZVE's, possibly stage-2 shaped, not the
+    reward function's in the records): `rollout/accuracy` (mean binary outcome),
+    `rollout/reward_mean` / `rollout/reward_max` and `rollout/response_len_mean` (tokens).
+    Empty input gives zeros."""
     responses = [r for g in groups for r in g.responses]
     if not responses:
         return {"rollout/accuracy": 0.0, "rollout/reward_mean": 0.0, "rollout/reward_max": 0.0,
                 "rollout/response_len_mean": 0.0}
-    rewards = np.array([r.reward for r in responses], np.float64)
+    rewards = np.concatenate([np.asarray(r, np.float32) for r in rewards]).astype(np.float64)
+    if rewards.size != len(responses):
+        raise ValueError(f"rollout_metrics: {rewards.size} rewards for {len(responses)} "
+                         f"responses")
     return {
         "rollout/accuracy": float(np.mean([bool(r.outcome) for r in responses])),
         "rollout/reward_mean": float(rewards.mean()),

@@ -76,17 +76,19 @@ def test_metric_logger_jsonl(tmp_path):
 
 
 def test_rollout_metrics_by_hand():
-    def group(outcomes, rewards, lengths):
+    def group(outcomes, lengths):  # the records' own rewards are 7.0: never the ones reported
         return RolloutGroup(
             prompt_id="p", prompt_tokens=np.array([1]), policy_version=0, sampler="t",
             created_at=0.0,
-            responses=[Response(tokens=np.full(n, 5), logprobs=np.zeros(n), outcome=o, reward=r)
-                       for o, r, n in zip(outcomes, rewards, lengths, strict=True)])
+            responses=[Response(tokens=np.full(n, 5), logprobs=np.zeros(n), outcome=o, reward=7.0)
+                       for o, n in zip(outcomes, lengths, strict=True)])
 
-    groups = [group([1, 0], [1.0, 0.0], [4, 6]), group([1, 1, 0], [0.9, 1.0, -0.5], [2, 2, 6])]
-    m = rollout_metrics(groups)
+    groups = [group([1, 0], [4, 6]), group([1, 1, 0], [2, 2, 6])]
+    m = rollout_metrics(groups, [np.array([1.0, 0.0]), np.array([0.9, 1.0, -0.5])])
     # 3 of 5 right; rewards sum 1 + 0 + 0.9 + 1 - 0.5 = 2.4 -> mean 0.48, max 1.0;
     # lengths 4 + 6 + 2 + 2 + 6 = 20 -> mean 4.
     assert m == {"rollout/accuracy": 0.6, "rollout/reward_mean": pytest.approx(0.48),
                  "rollout/reward_max": 1.0, "rollout/response_len_mean": 4.0}
-    assert rollout_metrics([])["rollout/reward_mean"] == 0.0
+    assert rollout_metrics([], [])["rollout/reward_mean"] == 0.0
+    with pytest.raises(ValueError, match="4 rewards for 5 responses"):
+        rollout_metrics(groups, [np.array([1.0, 0.0]), np.array([0.9, 1.0])])
