@@ -59,6 +59,17 @@ def prompt_sets(config: ml_collections.ConfigDict, workdir: str, tokenizer
     return train, warm, balanced_subset(test, config.eval.num_prompts, seed=config.seed)
 
 
+def worker_share(prompts: Sequence[dict], index: int, num_workers: int) -> list[dict]:
+    """Rollout worker `index` of `num_workers`'s prompts: every `num_workers`-th from the
+    `index`-th, so workers share none and together cover all; a worker left with none is an
+    error naming the numbers."""
+    mine = [prompts[i] for i in range(index, len(prompts), num_workers)]
+    if not mine:
+        raise ValueError(f"worker {index} of {num_workers}: no training prompts for it (the "
+                         f"training set has {len(prompts)})")
+    return mine
+
+
 def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """`config.model.preset` with the config's overrides (rope_theta when > 0; see
     `runtime_overrides` for the rest)."""

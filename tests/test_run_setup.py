@@ -45,3 +45,15 @@ def test_run_choices_apply_to_hugging_face_weights(tmp_path):
     assert model_config.d_model == get_preset("tiny").d_model
     np.testing.assert_array_equal(params["embed"]["embedding"],
                                   tiny_params["embed"]["embedding"])
+
+
+def test_workers_share_the_prompts_without_overlap():
+    import pytest
+
+    from espo_jax.run_setup import worker_share
+
+    prompts = [{"prompt_id": f"p{i}"} for i in range(5)]
+    shares = [[p["prompt_id"] for p in worker_share(prompts, i, 2)] for i in range(2)]
+    assert shares == [["p0", "p2", "p4"], ["p1", "p3"]]  # disjoint, all five covered
+    with pytest.raises(ValueError, match="worker 5 of 6: no training prompts .* has 5"):
+        worker_share(prompts, 5, 6)

@@ -70,10 +70,7 @@ def training_prompts(config, workdir: str, tokenizer, index: int = 0,
     from espo_jax import run_setup
 
     train = run_setup.prompt_sets(config, workdir, tokenizer)[0]
-    mine = [train[i] for i in range(index, len(train), num_workers)]
-    if not mine:
-        raise ValueError(f"worker {index} of {num_workers}: no training prompts for it (the "
-                         f"training set has {len(train)})")
+    mine = run_setup.worker_share(train, index, num_workers)
     return [(p["prompt_id"], [int(t) for t in p["tokens"]]) for p in mine]
 
 

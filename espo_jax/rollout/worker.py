@@ -286,10 +286,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     )
     reward, target_fn = tasks.reward_fn(config)
     decode = tasks.decoder(config, setup.tokenizer)
-    mine = [setup.train_prompts[i] for i in range(index, len(setup.train_prompts), num_workers)]
-    if not mine:
-        raise ValueError(f"worker {index} of {num_workers}: no training prompts for it (the "
-                         f"training set has {len(setup.train_prompts)})")
+    mine = run_setup.worker_share(setup.train_prompts, index, num_workers)
     prompts = itertools.chain.from_iterable(itertools.repeat(mine))
 
     def until(stream):  # batch b's prompts are taken before its reload: version is b - 1's
