@@ -157,16 +157,26 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-def _choice(errors: list[str], config, key: str, allowed) -> None:
-    value = config
+def _get(config, key: str):
+    """`config.<key>` for a dotted key, e.g. "zve.zvp.alpha"."""
     for part in key.split("."):
-        value = value[part]
+        config = config[part]
+    return config
+
+
+def _choice(errors: list[str], config, key: str, allowed) -> None:
+    value = _get(config, key)
     if value not in allowed:
         errors.append(f"config.{key}={value!r} is not one of {tuple(allowed)}")
 
 
 # key, lowest value, whether the lowest value itself is allowed, highest value (None: none)
 _BOUNDS = (
+    *((key, 1, True, None) for key in (
+        "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
+        "rollout.num_slots", "rollout.steps_per_sync", "rollout.prefill_rows",
+        "train.updates_per_batch", "train.micro_batches",
+        "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk")),
     ("optim.lr", 0.0, False, None),
     ("warmstart.lr", 0.0, False, None),
     ("optim.warmup_steps", 0, True, None),
@@ -202,15 +212,11 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     _choice(errors, config, "advantage.name", ADVANTAGES)
     _choice(errors, config, "train.loop", LOOPS)
     _choice(errors, config, "train.replay", REPLAY_MODES)
-    for key in (
-        "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
-        "rollout.num_slots", "rollout.steps_per_sync", "rollout.prefill_rows",
-        "train.updates_per_batch", "train.micro_batches",
-        "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
-    ):
-        section, name = key.split(".")
-        if int(config[section][name]) < 1:
-            errors.append(f"config.{key} must be >= 1, got {config[section][name]}")
+    for key, low, low_ok, high in _BOUNDS:
+        value = _get(config, key)
+        if value < low or (value == low and not low_ok) or (high is not None and value > high):
+            allowed = f"{'>=' if low_ok else '>'} {low}" + (f" and <= {high}" if high else "")
+            errors.append(f"config.{key} must be {allowed}, got {value}")
     if config.train.steps < 0:
         errors.append(f"config.train.steps must be >= 0 (0: warm start only), got "
                       f"{config.train.steps}")
@@ -240,18 +246,10 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
                       f"{config.warmstart.max_seconds}")
     if config.rollout.temperature <= 0:
         errors.append(f"config.rollout.temperature must be > 0, got {config.rollout.temperature}")
-    for key, low, low_ok, high in _BOUNDS:
-        value = config
-        for part in key.split("."):
-            value = value[part]
-        if value < low or (value == low and not low_ok) or (high is not None and value > high):
-            allowed = f"{'>=' if low_ok else '>'} {low}" + (f" and <= {high}" if high else "")
-            errors.append(f"config.{key} must be {allowed}, got {value}")
     if config.data.name == "arith_chains":
         n_levels = len(config.data.levels)
         for key in ("data.train_levels", "data.eval_levels", "warmstart.levels"):
-            section, name = key.split(".")
-            bad = [lv for lv in config[section][name] if not 1 <= lv <= n_levels]
+            bad = [lv for lv in _get(config, key) if not 1 <= lv <= n_levels]
             if bad:
                 errors.append(f"config.{key} has levels {bad} outside 1..{n_levels} (the levels "
                               f"of config.data.levels)")
