@@ -2,10 +2,11 @@
 
 Experiments (`experiments/<name>.py`) start from `default_config()` and change what differs;
 their recipes, and why each value is what it is, live there (measurements and tuning history in
-`experiments/results/README.md`). `validate(config)` checks names, choices and divisibility
-before anything is compiled, with a message naming the key and the allowed values. `parse_arg`
-reads an experiment's `:arg` suffix, `apply_small` makes the laptop-CPU variant, and
-`import_file` / `experiment_config` load experiment files by path.
+`experiments/results/README.md`). `validate(config)` checks names, choices, divisibility and
+the key combinations the run's layout cannot run (the async loop's workers) before anything is
+compiled, with a message naming the keys and the allowed values. `parse_arg` reads an
+experiment's `:arg` suffix, `apply_small` makes the laptop-CPU variant, and `import_file` /
+`experiment_config` load experiment files by path.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.engine = "jax"  # "jax" (embedded) or "vllm" (GPU workers)
     c.rollout.precision = "fp8"  # engine weights: fp32, bf16 or fp8 (E4M3, per-channel scales)
     c.rollout.prompts_per_step = 16  # N prompts per rollout batch
+    c.rollout.max_inflight_batches = 1  # async: a worker waits while max_staleness + this - 1
+    # of its batches are unread (1: it samples batch n+1 while the learner trains on batch n)
     c.rollout.max_prompt_len = 32  # tokens; longer prompts are rejected
     c.rollout.max_new_tokens = 48  # response budget; longer samples are cut (no eos)
     c.rollout.temperature = 1.0  # sampling temperature (1: the policy's own distribution)
@@ -85,6 +88,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.prefill_rows = 16  # prompts per prefill call (padded to one length per call)
     c.rollout.reward_workers = 2  # reward pool workers (overlapped with decoding)
     c.rollout.reward_timeout_s = 5.0  # a reward call running longer counts as failed
+    c.rollout.max_failed_reward_frac = 0.5  # a step with a larger share of responses whose reward
+    # call failed or timed out stops the run (after a checkpoint)
     # vLLM workers only (rollout.engine="vllm"; espo_jax/rollout/vllm_cli.py)
     c.rollout.vllm = ml_collections.ConfigDict()
     c.rollout.vllm.quantization = "fp8"  # "fp8" (vLLM online FP8) or "none" (weights at dtype)
@@ -128,6 +133,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.logprob_chunk = 64  # sequence chunk for log-prob / entropy computation
     c.train.max_staleness = 1  # async: drop groups older than this many policy versions
     c.train.num_workers = 2  # async: rollout worker processes
+    c.train.worker_timeout_s = 300.0  # async: a worker whose status file is older is not live
+    c.train.worker_restarts = 2  # async: restarts of a spawned worker process that died
 
     c.mesh = ml_collections.ConfigDict()
     # Mesh axis sizes; their product is the number of devices the learner uses.
@@ -176,7 +183,8 @@ _BOUNDS = (
         "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
         "rollout.num_slots", "rollout.steps_per_sync", "rollout.prefill_rows",
         "train.updates_per_batch", "train.micro_batches",
-        "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk")),
+        "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
+        "rollout.max_inflight_batches")),
     ("optim.lr", 0.0, False, None),
     ("warmstart.lr", 0.0, False, None),
     ("optim.warmup_steps", 0, True, None),
@@ -191,8 +199,11 @@ _BOUNDS = (
     ("rollout.top_p", 0.0, False, 1.0),
     ("rollout.reward_workers", 1, True, None),
     ("rollout.reward_timeout_s", 0.0, False, None),
+    ("rollout.max_failed_reward_frac", 0.0, True, 1.0),
     ("train.max_staleness", 0, True, None),
     ("train.num_workers", 0, True, None),  # 0: the launch script starts the workers
+    ("train.worker_timeout_s", 0.0, False, None),
+    ("train.worker_restarts", 0, True, None),
     ("zve.zvp.alpha", 0.0, True, None),
 )
 
@@ -246,6 +257,15 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
                       f"{config.warmstart.max_seconds}")
     if config.rollout.temperature <= 0:
         errors.append(f"config.rollout.temperature must be > 0, got {config.rollout.temperature}")
+    if config.train.loop == "async" and 0 <= config.train.max_staleness < 1:
+        errors.append(f"config.train.loop='async' needs config.train.max_staleness >= 1, got "
+                      f"{config.train.max_staleness}: a worker samples the next batch while the "
+                      "learner trains on the current one, so every group is at least one policy "
+                      "version old when it is read (with 0 every group is dropped as stale)")
+    if (config.mode, config.rollout.engine, config.train.loop) == ("train", "vllm", "sync"):
+        errors.append("config.rollout.engine='vllm' with config.mode='train' needs "
+                      "config.train.loop='async', got 'sync': the single-process loop samples "
+                      "with the embedded JAX engine; vLLM runs in rollout worker processes")
     if config.data.name == "arith_chains":
         n_levels = len(config.data.levels)
         for key in ("data.train_levels", "data.eval_levels", "warmstart.levels"):
@@ -266,6 +286,14 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
                 f"rows per update {per_update} not divisible by train.micro_batches * mesh.data "
                 f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
                 f"{config.mesh.fsdp}"
+            )
+        workers = config.train.num_workers
+        if config.train.loop == "async" and workers > 0 and (
+                config.rollout.prompts_per_step % workers):
+            errors.append(
+                f"rollout.prompts_per_step = {config.rollout.prompts_per_step} not divisible by "
+                f"train.num_workers = {workers} (train.loop='async': each worker's batch is "
+                "prompts_per_step / num_workers groups)"
             )
         anchor_rows = config.train.anchor_rows or config.warmstart.batch_size
         if config.train.anchor_coef > 0 and anchor_rows % (config.mesh.data * config.mesh.fsdp):

@@ -7,6 +7,8 @@ Neutral ground between the learner (`espo_jax.train`) and the rollout workers
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Sequence
 
 import jax
@@ -95,6 +97,15 @@ def load_model(config: ml_collections.ConfigDict) -> tuple[ModelConfig, dict | N
         return preset_model_config(config), None
     model_config, hf_params = hf_io.from_pretrained(config.model.hf_path)
     return model_config.replace(**runtime_overrides(config)), hf_params
+
+
+def model_architecture(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The run's model config as `load_model` gives it, without reading any weights (a rollout
+    worker checks the published versions against it)."""
+    if not config.model.hf_path:
+        return preset_model_config(config)
+    with open(os.path.join(config.model.hf_path, "config.json")) as f:
+        return hf_io.config_from_hf(json.load(f)).replace(**runtime_overrides(config))
 
 
 def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:

@@ -121,6 +121,14 @@ def test_every_problem_is_listed_at_once():
         ("optim.warmup_steps", -1, "config.optim.warmup_steps must be >= 0, got -1"),
         ("train.max_staleness", -1, "config.train.max_staleness must be >= 0, got -1"),
         ("zve.zvp.alpha", -0.1, "config.zve.zvp.alpha must be >= 0.0, got -0.1"),
+        ("rollout.max_inflight_batches", 0,
+         "config.rollout.max_inflight_batches must be >= 1, got 0"),
+        ("rollout.max_failed_reward_frac", 1.5,
+         "config.rollout.max_failed_reward_frac must be >= 0.0 and <= 1.0, got 1.5"),
+        ("rollout.max_failed_reward_frac", -0.1,
+         "config.rollout.max_failed_reward_frac must be >= 0.0 and <= 1.0, got -0.1"),
+        ("train.worker_timeout_s", 0.0, "config.train.worker_timeout_s must be > 0.0, got 0.0"),
+        ("train.worker_restarts", -1, "config.train.worker_restarts must be >= 0, got -1"),
         ("data.eval_levels", (1, 7), "config.data.eval_levels has levels [7] outside 1..5"),
     ],
 )
@@ -134,3 +142,49 @@ def test_out_of_range_values_are_named(key, value, message):
     with pytest.raises(ValueError, match="invalid config") as e:
         configs.validate(c, n_devices=1)
     assert message in str(e.value)
+
+
+def _with(overrides: dict):
+    c = configs.default_config()
+    for key, value in overrides.items():
+        *path, name = key.split(".")
+        target = c
+        for part in path:
+            target = target[part]
+        target[name] = value
+    return c
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"train.loop": "async", "train.max_staleness": 0},
+         "config.train.loop='async' needs config.train.max_staleness >= 1, got 0: a worker "
+         "samples the next batch while the learner trains on the current one"),
+        ({"train.loop": "async", "train.num_workers": 3},  # 16 prompts over 3 workers
+         "rollout.prompts_per_step = 16 not divisible by train.num_workers = 3 "
+         "(train.loop='async': each worker's batch is prompts_per_step / num_workers groups)"),
+        ({"rollout.engine": "vllm"},
+         "config.rollout.engine='vllm' with config.mode='train' needs config.train.loop='async', "
+         "got 'sync': the single-process loop samples with the embedded JAX engine"),
+    ],
+)
+def test_combinations_the_layout_cannot_run(overrides, message):
+    with pytest.raises(ValueError, match="invalid config") as e:
+        configs.validate(_with(overrides), n_devices=1)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"train.loop": "async"},  # defaults: staleness 1, 16 prompts over 2 workers
+        {"train.loop": "async", "train.num_workers": 0, "rollout.prompts_per_step": 7},
+        {"train.loop": "sync", "train.max_staleness": 0, "train.num_workers": 3},
+        {"train.loop": "async", "rollout.engine": "vllm"},
+        {"mode": "rollout", "rollout.engine": "vllm"},  # a vLLM worker's own config
+        {"train.loop": "async", "zve.offline.enabled": True, "zve.offline.early_stop": True},
+    ],
+)
+def test_combinations_the_layout_can_run(overrides):
+    configs.validate(_with(overrides), n_devices=1)

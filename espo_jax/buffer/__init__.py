@@ -6,6 +6,7 @@ directory of published weights (local disk, NFS, or a bucket through `etils.epat
     writer.py    `BufferWriter`: one stream of shards, crash-safe (tmp name, fsync, rename)
     reader.py    `BufferReader`: every stream, exactly once, with a saved cursor; staleness
     weights.py   published policy versions: atomic, immutable, newest-first lookup
+    flow.py      flow control and health: the learner's progress, the workers' heartbeats
     inspect.py   `python -m espo_jax.buffer inspect DIR`: what a buffer directory holds
 
 Neither side's code is imported here, nor JAX: a rollout worker or a tool that reads a buffer

@@ -44,8 +44,8 @@ class BufferReader:
     """Reads groups from `directory` exactly once, in shard order, following new shards.
 
     Attributes:
-      stats: counters: groups_read, stale_dropped, corrupt_records, shards_done, missing_shards,
-        shards_deleted.
+      stats: counters: groups_read, stale_dropped (and their response tokens,
+        stale_dropped_tokens), corrupt_records, shards_done, missing_shards, shards_deleted.
       errors: the most recent 1000 problems as dicts (file, index, reason); each is also logged.
     """
 
@@ -191,6 +191,7 @@ class BufferReader:
                     continue
                 if self._is_stale(group, policy_version):
                     self.stats["stale_dropped"] += 1
+                    self.stats["stale_dropped_tokens"] += int(np.sum(group.response_lengths))
                     continue
                 out.append(group)
                 wanted -= 1

@@ -186,6 +186,14 @@ def latest(directory: epath.PathLike) -> tuple[int, epath.Path] | None:
     return found[-1] if found else None
 
 
+def load_config(path: epath.PathLike) -> dict[str, Any]:
+    """The model config dict of one published version, without reading its parameters."""
+    path = epath.Path(path)
+    if not (path / COMMITTED).exists():
+        raise FileNotFoundError(f"{path} is not a committed weights version (no {COMMITTED})")
+    return json.loads((path / "config.json").read_text())
+
+
 def load(path: epath.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
     """`(config dict, params)` of one published version; params are numpy arrays."""
     path = epath.Path(path)

@@ -28,12 +28,15 @@ def generate_scored_groups(
     admission: str = "fifo",
     predictor=None,
     target_fn=None,
+    meta: Mapping | None = None,
 ) -> list[RolloutGroup]:
     """Samples `n` responses for each `(prompt, n)` of `plan`, scores them, returns records.
 
     `prompt` is a prompt dict (`prompt_id`, `tokens`, `answer`, ...). Request i draws from
     `rng` with seed i, so the result depends only on the weights, `rng` and the plan. The
     reward function gets `target_fn(prompt)` (default: `prompt["answer"]`) as its reference.
+    `engine` is any `espo_jax.rollout.sampler.Sampler` (an `Engine` is one); `meta` goes into
+    every group's meta (the worker puts its writer id there).
     """
     requests = [
         Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"]), n_samples=n)
@@ -67,9 +70,10 @@ def generate_scored_groups(
             for gen, res in zip(group.responses, results, strict=True)
         ]
         failed = sum(res.failed for res in results)
-        meta = {"answer": str(prompt["answer"]), "level": int(prompt.get("level", 0))}
+        group_meta = {"answer": str(prompt["answer"]), "level": int(prompt.get("level", 0)),
+                      **(meta or {})}
         if failed:
-            meta["reward_failed"] = failed
+            group_meta["reward_failed"] = failed
         out.append(
             RolloutGroup(
                 prompt_id=str(group.prompt_id),
@@ -78,7 +82,7 @@ def generate_scored_groups(
                 sampler=engine.sampler_name,
                 created_at=time.time(),
                 rewarded_at=time.time(),
-                meta=meta,
+                meta=group_meta,
                 responses=responses,
                 n_experts=n_experts,
             )

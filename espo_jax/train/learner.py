@@ -30,6 +30,7 @@ from espo_jax.train import step as step_lib
 from espo_jax.train.batch import RLBatch, pack_sequences, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
+from espo_jax.zve.groups import require_scored
 
 
 def group_advantages(
@@ -233,9 +234,11 @@ class Learner:
                rewards: Sequence[np.ndarray]):
         """Old-policy pass over the whole rollout batch, then one update per minibatch (a
         batch of one minibatch: one fused update, see the module docstring). `rewards`: one
-        float32 array per group (MS-ZVE's, `zve.groups_and_rewards`).
+        float32 array per group (MS-ZVE's, `zve.groups_and_rewards`). A group with an
+        unscored response raises `zve.UnscoredGroupError` before anything runs.
 
         Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
+        require_scored(groups)
         # Each process transfers only the rows of its own devices (the same on one process).
         batches = [distributed.put_batch(b, self.batch_sharding)
                    for b in self.minibatches(groups, rewards)]

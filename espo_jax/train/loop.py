@@ -32,7 +32,7 @@ from espo_jax.train.evaluate import evaluate
 from espo_jax.train.learner import Learner
 from espo_jax.train.metrics import MetricLogger, rollout_metrics
 from espo_jax.train.warmstart import warm_seq_len, warm_start
-from espo_jax.zve import ZVEPipeline, groups_and_rewards
+from espo_jax.zve import ZVEPipeline, failed_reward_fraction, groups_and_rewards, require_scored
 
 
 def _engine(setup, precision: str) -> Engine:
@@ -57,6 +57,14 @@ def discard_unread(buffer_dir: str, cursor: dict | None) -> int:
             os.remove(os.path.join(buffer_dir, shard.name))
             removed += 1
     return removed
+
+
+def raise_failed_rewards(step: int, failed: float, limit: float) -> None:
+    """Stops a run whose reward function failed too often (its checkpoint is saved first)."""
+    raise RuntimeError(
+        f"RL step {step}: the reward function failed (or timed out) on {failed:.0%} of the "
+        f"step's responses, more than rollout.max_failed_reward_frac={limit}; the checkpoint "
+        f"of step {step} is saved. Fix the reward function and rerun the same command to resume")
 
 
 class Run:
@@ -235,6 +243,7 @@ class SyncRun(Run):
         n_experts = s.model_config.n_experts if s.model_config.n_moe_layers else None
         step = meta["rl_step"]
         rounds = [0]
+        generated: list = []  # this step's groups, every round (failed-reward check)
 
         def rollout(plan):
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), rounds[0])
@@ -251,6 +260,8 @@ class SyncRun(Run):
             if len(read) != len(groups):
                 raise RuntimeError(f"buffer returned {len(read)} of {len(groups)} groups; "
                                    f"reader errors: {list(reader.errors)[-3:]}")
+            require_scored(read)
+            generated.extend(read)
             return read
 
         if step == 0 and c.zve.offline.enabled and c.train.steps > 0:
@@ -261,6 +272,7 @@ class SyncRun(Run):
         while step < c.train.steps:
             t_step = time.time()
             rounds[0] = 0
+            generated.clear()
             self.engine.load_params(state.params)
             batch, zmetrics = zve.step(c.rollout.prompts_per_step, rollout)
             groups, rewards = groups_and_rewards(batch)
@@ -269,8 +281,9 @@ class SyncRun(Run):
             t_done = time.time()
             step += 1
             self.record_step(meta, step, zmetrics, lmetrics)
+            failed = failed_reward_fraction(generated)
             metrics = {**zmetrics, **lmetrics, **self.pool.metrics(),
-                       **rollout_metrics(groups, rewards),
+                       **rollout_metrics(groups, rewards), "reward/failed_frac": failed,
                        "time/step_s": t_done - t_step, "time/rollout_s": t_update - t_step,
                        "time/update_s": t_done - t_update}
             if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
@@ -279,12 +292,15 @@ class SyncRun(Run):
             logging.info("RL step %d/%d: rollout acc %.3f, zv frac %.2f, %.1f s", step,
                          c.train.steps, metrics["rollout/accuracy"],
                          zmetrics.get("zve/zero_variance_frac_before", 0.0), metrics["time/step_s"])
-            if step % c.checkpoint.every == 0 or step == c.train.steps:
+            too_many_failed = failed > c.rollout.max_failed_reward_frac
+            if step % c.checkpoint.every == 0 or step == c.train.steps or too_many_failed:
                 meta.update(cursor=reader.cursor, zve=zve.state_dict(),
                             predictor=predictor.state_dict())
                 self.ckpt.save(step, state, meta)
                 self.ckpt.wait()
                 reader.commit(meta["cursor"])
+            if too_many_failed:
+                raise_failed_rewards(step, failed, c.rollout.max_failed_reward_frac)
         writer.close()
         reader.close()
         self.pool.close()

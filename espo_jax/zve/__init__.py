@@ -22,7 +22,8 @@ Around the stages:
   config.py     `default_zve_config`, `validate_zve_config`: every setting, one line each
   scheduler.py  `PromptScheduler`: each prompt's history and the epochs drawn from it
                 (stages 0, 1, 5 decide from it); `status.py`: its prompt states
-  groups.py     `ScoredGroup` (a `RolloutGroup` and its rewards), `binary_outcomes`
+  groups.py     `ScoredGroup` (a `RolloutGroup` and its rewards), `binary_outcomes`,
+                `require_scored` (`UnscoredGroupError`), `failed_reward_fraction`
   metrics.py    `step_metrics`: the per-step `zve/...` scalars
   pipeline.py   `ZVEPipeline`: all of it around a caller's `rollout(plan)` callback
 
@@ -38,7 +39,14 @@ loaded from `zvp.py` on first access.
 
 from espo_jax.zve.adaptive import adaptive_samples, zero_variance_prob
 from espo_jax.zve.config import default_zve_config, validate_zve_config
-from espo_jax.zve.groups import ScoredGroup, binary_outcomes, groups_and_rewards
+from espo_jax.zve.groups import (
+    ScoredGroup,
+    UnscoredGroupError,
+    binary_outcomes,
+    failed_reward_fraction,
+    groups_and_rewards,
+    require_scored,
+)
 from espo_jax.zve.metrics import step_metrics
 from espo_jax.zve.offline import offline_pass, offline_undecided
 from espo_jax.zve.online_filter import CollectResult, OnlineFilter, filter_groups
@@ -67,15 +75,18 @@ __all__ = [
     "PromptScheduler",
     "Rollout",
     "ScoredGroup",
+    "UnscoredGroupError",
     "ZVEPipeline",
     "adaptive_samples",
     "binary_outcomes",
     "default_zve_config",
+    "failed_reward_fraction",
     "filter_groups",
     "group_rewards",
     "groups_and_rewards",
     "offline_pass",
     "offline_undecided",
+    "require_scored",
     "rl_zvp",
     "score_groups",
     "step_metrics",

@@ -7,7 +7,9 @@ group and its float32 rewards side by side, through the online filter (stage 4),
 and into the learner (`Learner.update(state, groups, rewards)`, see `groups_and_rewards`).
 
 Stage decisions read binary outcomes only (`binary_outcomes` checks them), never a shaped
-reward. This module imports neither JAX nor the buffer's I/O.
+reward. The learner trains on scored groups only (`require_scored`, `UnscoredGroupError`);
+`failed_reward_fraction` is the share of a batch's responses whose reward call failed. This
+module imports neither JAX nor the buffer's I/O.
 """
 
 from __future__ import annotations
@@ -67,6 +69,40 @@ class ScoredGroup:
     def lengths(self) -> np.ndarray:
         """int64 `[G]` response lengths (tokens)."""
         return self.group.response_lengths.astype(np.int64)
+
+
+class UnscoredGroupError(ValueError):
+    """A group reached the learner with a response whose `outcome` or `reward` is None: its
+    rollout worker did not score it. Names the prompt, the sampler and the worker."""
+
+    def __init__(self, prompt_id: str | int, sampler: str, worker: str, n_unscored: int):
+        self.prompt_id, self.sampler, self.worker = prompt_id, sampler, worker
+        super().__init__(
+            f"group for prompt {prompt_id!r} from sampler {sampler!r} (worker {worker!r}) has "
+            f"{n_unscored} unscored responses (outcome or reward is None): the rollout worker "
+            "did not score it; the learner does not train on unscored groups")
+
+
+def _rollout_group(group: RolloutGroup | ScoredGroup) -> RolloutGroup:
+    return group.group if isinstance(group, ScoredGroup) else group
+
+
+def require_scored(groups: Iterable[RolloutGroup | ScoredGroup]) -> None:
+    """Raises `UnscoredGroupError` for the first group with an unscored response."""
+    for group in map(_rollout_group, groups):
+        unscored = sum(r.outcome is None or r.reward is None for r in group.responses)
+        if unscored:
+            raise UnscoredGroupError(group.prompt_id, group.sampler,
+                                     str(group.meta.get("worker", "?")), unscored)
+
+
+def failed_reward_fraction(groups: Sequence[RolloutGroup | ScoredGroup]) -> float:
+    """The share of the groups' responses whose reward call failed or timed out (the rollout
+    side counts them in `meta["reward_failed"]`); 0.0 for no responses."""
+    groups = [_rollout_group(g) for g in groups]
+    responses = sum(g.num_responses for g in groups)
+    failed = sum(int(g.meta.get("reward_failed", 0)) for g in groups)
+    return failed / responses if responses else 0.0
 
 
 def groups_and_rewards(batch: Sequence[ScoredGroup]

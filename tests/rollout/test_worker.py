@@ -20,6 +20,7 @@ from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rollout import mismatch
 from espo_jax.rollout import worker as worker_lib
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.zve import PromptScheduler
 
 CONFIG = models.get_preset("tiny")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -145,31 +146,52 @@ def test_both_workers_take_the_same_flags(module, tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything was prepared or written
 
 
+def _scheduler(config, index, num_workers, workdir):
+    """The prompt scheduler worker `index` of `num_workers` runs (`worker.main_from_config`)."""
+    train = run_setup.build(config, str(workdir)).train_prompts
+    share = run_setup.worker_share(train, index, num_workers)
+    return PromptScheduler(share, config.zve, seed=config.seed * 1000 + index)
+
+
+NO_OFFLINE = "--config.zve.offline.enabled=False"  # stage 0's pass is tested on its own
+
+
 def test_worker_share_of_the_prompts_until_a_version(tmp_path, params):
-    """Worker 1 of 2 takes the training prompts 1, 3, 5, ...; `--until_version=1` ends it after
-    its first batch at v1 (the worker cycles over its prompts otherwise)."""
+    """Worker 1 of 2 schedules the training prompts 1, 3, 5, ... (2 per batch: 4 prompts per
+    step over 2 workers); `--until_version=1` ends it after its first batch at v1."""
     weights.publish(tmp_path / "weights", 1, CONFIG, params[0])
     stats = tmp_path / "stats.json"
     proc = _run_worker(tmp_path, "--worker_index=1", "--num_workers=2", "--until_version=1",
-                       f"--stats={stats}", "--config.rollout.prompts_per_step=2",
-                       "--config.zve.n_samples=2", "--config.rollout.max_new_tokens=8")
+                       f"--stats={stats}", "--config.rollout.prompts_per_step=4",
+                       "--config.rollout.max_new_tokens=8", NO_OFFLINE)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log[-3000:]
     counters = json.loads(stats.read_text())
     assert (counters["worker/batches"], counters["worker/groups_written"]) == (1, 2), counters
-    ids = [p["prompt_id"] for p in run_setup.build(_experiment_config(), str(tmp_path))
-           .train_prompts]
+    config = _experiment_config()
+    config.zve.offline.enabled = False
+    plan = _scheduler(config, 1, 2, tmp_path).next_prompts(2)
     groups = read_all(tmp_path / "buffer")
-    assert [g.prompt_id for g in groups] == ids[1:5:2]
-    assert all(g.policy_version == 1 and len(g.responses) == 2 for g in groups)
+    assert [(g.prompt_id, g.num_responses) for g in groups] == [
+        (p["prompt_id"], n) for p, n in plan]
+    ids = [p["prompt_id"] for p in run_setup.build(config, str(tmp_path)).train_prompts]
+    assert {g.prompt_id for g in groups} <= set(ids[1::2])  # worker 1's share only
+    assert all(g.policy_version == 1 and g.meta["worker"] == "rollout-1" for g in groups)
+    status = json.loads((tmp_path / "workers" / "rollout-1.json").read_text())
+    assert status["state"] == "done" and status["worker/groups_written"] == 2
+    assert status["zve"]["zve/active"] == len(ids[1::2])
 
 
-def test_sigterm_mid_batch_writes_only_complete_groups(tmp_path, params):
+def test_sigterm_mid_batch_drops_the_batch_and_a_restart_regenerates_it(tmp_path, params):
+    """With a prompt scheduler a stopped batch is not written in part: the restarted worker
+    resumes the scheduler's state and samples exactly the batch an uninterrupted worker would
+    have (the same prompts, sample counts and RNG stream)."""
     weights.publish(tmp_path / "weights", 1, CONFIG, params[0])
     # 8 prompts x 4 samples of up to 40 tokens per batch on 4 slots: a batch takes a while.
-    proc = _run_worker(tmp_path, "--config.zve.n_samples=4", "--config.rollout.prompts_per_step=8",
-                       "--config.rollout.max_new_tokens=40", "--config.rollout.num_slots=4",
-                       "--config.rollout.reward_workers=1")
+    flags = ("--config.zve.n_samples=4", "--config.rollout.prompts_per_step=8",
+             "--config.rollout.max_new_tokens=40", "--config.rollout.num_slots=4",
+             "--config.rollout.reward_workers=1", NO_OFFLINE)
+    proc = _run_worker(tmp_path, *flags)
     lines = []
     try:
         for line in proc.stdout:
@@ -185,16 +207,24 @@ def test_sigterm_mid_batch_writes_only_complete_groups(tmp_path, params):
         proc.kill()
     log = "".join(lines)
     assert "batch 0: wrote 8 groups" in log, log
-    assert "batch 1: stopped; wrote" in log, log  # generation was cut, not finished
-    assert "batch 2" not in log
-    order = {pid: i for i, pid in enumerate(
-        p["prompt_id"] for p in run_setup.build(_experiment_config(), str(tmp_path)).train_prompts)}
+    assert "batch 1: stopped; dropped the unfinished batch" in log, log
+    first = read_all(tmp_path / "buffer")
+    assert len(first) == 8 and list_tmp_files(str(tmp_path / "buffer")) == []
+    restarted = _run_worker(tmp_path, *flags, "--max_batches=1")
+    log2 = restarted.communicate(timeout=300)[0]
+    assert restarted.returncode == 0, log2[-3000:]
+    assert "resumed the prompt scheduler at batch 1" in log2, log2
+    config = _experiment_config()
+    config.zve.offline.enabled = False
+    config.zve.n_samples = 4
+    sched = _scheduler(config, 0, 1, tmp_path)
+    plans = [sched.next_prompts(8)]
+    sched.observe_groups(first)
+    plans.append(sched.next_prompts(8))
     groups = read_all(tmp_path / "buffer")
-    ids = [order[g.prompt_id] for g in groups]  # positions in the worker's prompt list
-    assert ids[:8] == list(range(8))  # batch 0 whole
-    assert ids[8:] == sorted(ids[8:]) and set(ids[8:]) < set(range(8, 16))  # some of batch 1
-    for g in groups:  # no partial group: every one has its G scored responses
-        assert len(g.responses) == 4 and all(r.reward is not None for r in g.responses)
-    assert list_tmp_files(str(tmp_path / "buffer")) == []
-    dropped = int(log.split("dropped ")[1].split()[0])
-    assert dropped > 0 and dropped + 4 * (len(ids) - 8) == 32  # 8 prompts x 4 samples
+    assert len(groups) == 16
+    for plan, batch in zip(plans, (groups[:8], groups[8:]), strict=True):
+        assert [(g.prompt_id, g.num_responses) for g in batch] == [
+            (p["prompt_id"], n) for p, n in plan]
+    for g in groups:  # every group has its scored responses
+        assert all(r.reward is not None and r.outcome is not None for r in g.responses)

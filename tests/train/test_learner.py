@@ -18,6 +18,7 @@ from espo_jax.train import state as state_lib
 from espo_jax.train.batch import RLBatch
 from espo_jax.train.learner import Learner, group_advantages
 from espo_jax.train.step import token_advantages
+from espo_jax.zve import UnscoredGroupError
 
 # The records' own `reward` (the reward function's): the learner must not read it, it trains on
 # the rewards it is given (MS-ZVE's).
@@ -262,6 +263,19 @@ def test_update_changes_params_and_reports_mismatch(learner_setup):
                 "moe/routing_flip_rate_layer1"):
         assert m[key] == 0.0, key
     assert m["entropy/mean"] > 0.0
+
+
+def test_update_refuses_an_unscored_group_before_any_work(learner_setup):
+    learner, _, _, generated = learner_setup
+    compiled = set(learner._compiled)
+    groups, rewards = _groups(generated, [[1.0, 0.0], [1.0, 1.0]])
+    groups[1].meta["worker"] = "rollout-1"
+    groups[1].responses[0].outcome = None
+    # No state: the check comes before packing, transfers and compilation.
+    with pytest.raises(UnscoredGroupError, match="group for prompt 'b' from sampler 'jax-fp32' "
+                                                 r"\(worker 'rollout-1'\) has 1 unscored"):
+        learner.update(None, groups, rewards)
+    assert set(learner._compiled) == compiled
 
 
 def test_update_mismatch_metrics_measure_a_known_shift(learner_setup):

@@ -1,10 +1,18 @@
-"""ScoredGroup: a RolloutGroup beside its rewards (read-only), outcomes checked binary."""
+"""ScoredGroup: a RolloutGroup beside its rewards (read-only), outcomes checked binary; unscored
+groups named (`require_scored`); the share of failed reward calls."""
 
 import numpy as np
 import pytest
 from helpers.zve_groups import make_group
 
-from espo_jax.zve.groups import ScoredGroup, binary_outcomes, groups_and_rewards
+from espo_jax.zve.groups import (
+    ScoredGroup,
+    UnscoredGroupError,
+    binary_outcomes,
+    failed_reward_fraction,
+    groups_and_rewards,
+    require_scored,
+)
 
 
 def test_scored_group_reads_the_group_and_keeps_rewards_apart():
@@ -33,3 +41,33 @@ def test_binary_outcomes_refuse_shaped_and_unscored():
     g.responses[1].outcome = None
     with pytest.raises(ValueError, match="not scored"):
         _ = ScoredGroup(g, [1.0, 0.0]).outcomes
+
+
+def test_require_scored_names_prompt_sampler_and_worker():
+    scored = make_group([1, 0, 1], pid="p1")
+    require_scored([scored, ScoredGroup(scored, [1.0, 0.0, 1.0])])
+    require_scored([])
+    bad = make_group([1, 0, 1], pid="p3")
+    bad.sampler, bad.meta["worker"] = "vllm-fp8", "rollout-1"
+    bad.responses[1].outcome = None
+    with pytest.raises(UnscoredGroupError) as e:
+        require_scored([scored, bad])
+    assert (e.value.prompt_id, e.value.sampler, e.value.worker) == ("p3", "vllm-fp8", "rollout-1")
+    assert str(e.value).startswith("group for prompt 'p3' from sampler 'vllm-fp8' (worker "
+                                   "'rollout-1') has 1 unscored responses")
+    assert isinstance(e.value, ValueError)
+    # A reward of None is unscored too; a ScoredGroup is checked through its group; no worker
+    # in meta reads "?".
+    other = make_group([1, 1], pid="p4")
+    other.responses[0].reward = None
+    with pytest.raises(UnscoredGroupError, match=r"'p4' from sampler 'test' \(worker '\?'\)"):
+        require_scored([ScoredGroup(other, [1.0, 1.0])])
+
+
+def test_failed_reward_fraction():
+    assert failed_reward_fraction([]) == 0.0
+    ok, some = make_group([1, 0, 1, 1]), make_group([0, 0, 1, 0])
+    assert failed_reward_fraction([ok, some]) == 0.0
+    some.meta["reward_failed"] = 2  # what the rollout side records for 2 failed calls
+    assert failed_reward_fraction([ok, some]) == pytest.approx(2 / 8)
+    assert failed_reward_fraction([ScoredGroup(some, [0.0] * 4)]) == pytest.approx(0.5)
