@@ -431,6 +431,7 @@ class RolloutWorker:
         self.batch_index += 1
         if self.scheduler is not None and groups:
             self.scheduler.observe_groups(groups)
+            self.scheduler.pop_metrics()  # per-batch counters: the totals go in the status
             pending = self._state_paths()[1] if c.status_dir is not None else None
             if pending is not None:  # staged with the shard it belongs to (module doc)
                 flow.write_json(pending, {"stream": writer.stream,
