@@ -36,3 +36,8 @@ def decode_until_zero(ids):
             break
         out.append(str(i))
     return "".join(out)
+
+
+def always_fails(text, answer):
+    """A reward function broken for every response (the run must stop, not train on zeros)."""
+    raise RuntimeError("the reward service is down")
