@@ -220,11 +220,11 @@ def throughput(w: str, quant: str) -> None:
     worker = _worker(_path(w, "bench_hf"), 0, "fp8" if quant == "fp8" else None, False, 8, 256,
                      max_model_len=2048)
     prompts = [(i, [1] + [(11 * i + j) % 4000 + 5 for j in range(64)]) for i in range(64)]
-    worker.generate(prompts[:4])  # warm-up
+    _raw_generate(worker, prompts[:4])  # warm-up
     start = time.perf_counter()
-    groups = worker.generate(prompts)
+    outputs = _raw_generate(worker, prompts)
     seconds = time.perf_counter() - start
-    tokens = int(sum(g.response_lengths.sum() for g in groups))
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     _save(w, f"throughput_{quant}.json", {"tokens": tokens, "seconds": seconds,
                                           "tokens_per_s": tokens / seconds})
 

@@ -41,6 +41,14 @@ def prepare(builder_cls: type[OfflineBuilder], data_dir: str | os.PathLike, conf
         # digests, so the same name is the same content: select the built-in by name.
         kwargs = {"config": config.name}
     builder = builder_cls(data_dir=os.fspath(data_dir), file_format="array_record", **kwargs)
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    try:
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    except FileExistsError:
+        # Another process (a learner and its workers starting together) finished preparing
+        # the same dataset first: its files are complete (TFDS renames them into place last).
+        builder = builder_cls(data_dir=os.fspath(data_dir), file_format="array_record",
+                              **kwargs)
+        if not builder.is_prepared():
+            raise
     return builder

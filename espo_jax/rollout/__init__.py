@@ -2,7 +2,8 @@
 
 The embedded JAX engine (`engine.Engine`, its jitted pieces in `decode`, continuous batching in
 `batching`), sampling, length-aware scheduling, generation with overlapped scoring (`generate`),
-the rollout workers (`worker` for the JAX engine, `vllm_worker` / `vllm_cli` for vLLM, the flags
+the rollout worker (`worker`: one loop for every sampler of `sampler`, the JAX engine's
+`JaxSampler` and vLLM's `vllm_worker.VllmSampler`; `vllm_cli` the vLLM command line; the flags
 both take in `worker_flags`), vLLM output conversion and the JetStream adapter. What workers
 write and the learner reads is the `espo_jax.buffer` contract. Import the submodule you need:
 this package imports nothing (worker processes start fast).

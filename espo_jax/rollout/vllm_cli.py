@@ -1,40 +1,34 @@
-"""The vLLM rollout worker's command line: a `VllmWorker` built from an experiment config.
+"""The vLLM rollout worker's command line: the rollout worker loop with a `VllmSampler`.
 
     python -m espo_jax.rollout.vllm_cli --config experiments/<name>.py --workdir W \\
         [--config.x.y=v ...] [--worker_index=I --num_workers=N] [--until_version=V] [--stats=F]
 
 (the same as `python -m espo_jax.main ... --config.mode=rollout --config.rollout.engine=vllm`).
-The flags are the JAX worker's (`espo_jax.rollout.worker_flags`), and so is the reading of the
-config: the policy from W/weights (each version's Hugging Face export, which the learner writes
-when `rollout.engine` is "vllm"), groups to `config.buffer.dir` or W/buffer, the task's training
-prompts (every N-th from the I-th, cycled) as `run_setup.build` makes them, `config.rollout`'s
-sampling (temperature, top-k, top-p, max_new_tokens, stop at the tokenizer's EOS),
-`config.zve.n_samples` responses per prompt, `config.rollout.prompts_per_step` prompts per batch,
-and the vLLM settings of `config.rollout.vllm`.
+The flags, the loop and the reading of the config are the JAX worker's
+(`espo_jax.rollout.worker.main_from_config`): the policy from W/weights (each version's Hugging
+Face export, which the learner writes when `rollout.engine` is "vllm"), scored groups to
+`config.buffer.dir` or W/buffer with `meta["worker"]` = "vllm-I", status and scheduler state in
+W/workers, the `PromptScheduler` over the worker's share of the training prompts, the task's
+reward pool, flow control. What differs is the sampler: `config.rollout`'s sampling
+(temperature, top-k, top-p, max_new_tokens, stop at the tokenizer's EOS) and the vLLM settings
+of `config.rollout.vllm` (`worker_config`). Everything that can be refused without weights (the
+config, vLLM's version, FP8 or routing capture without a GPU) is, before anything is prepared.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.vllm_worker import (
-    PolicySource,
-    VllmWorker,
+    VllmSampler,
     VllmWorkerConfig,
     check_accelerator,
     require_vllm,
-    run,
-    weights_source,
 )
-
-WEIGHTS_TIMEOUT_S = 600.0  # wait for the first published version (as the JAX worker)
-Prompt = tuple[str | int, list[int]]  # (prompt_id, token ids)
 
 
 def worker_config(config, stop_tokens: Sequence[int], seed: int) -> VllmWorkerConfig:
@@ -63,52 +57,16 @@ def worker_config(config, stop_tokens: Sequence[int], seed: int) -> VllmWorkerCo
     )
 
 
-def training_prompts(config, workdir: str, tokenizer, index: int = 0,
-                     num_workers: int = 1) -> list[Prompt]:
-    """Worker `index`'s RL prompts: the prompt sources and pool subset of `run_setup.build`,
-    every `num_workers`-th prompt from the `index`-th (as the JAX worker's `main_from_config`)."""
-    from espo_jax import run_setup
-
-    train = run_setup.prompt_sets(config, workdir, tokenizer)[0]
-    mine = run_setup.worker_share(train, index, num_workers)
-    return [(p["prompt_id"], [int(t) for t in p["tokens"]]) for p in mine]
-
-
-def prompt_batches(prompts: Sequence[Prompt], size: int, worker: VllmWorker, *,
-                   max_batches: int | None = None,
-                   until_version: int | None = None) -> Iterator[list[Prompt]]:
-    """Batches of `size` prompts, cycling over `prompts`, until `max_batches` or a batch sampled
-    at policy version >= `until_version` (`run` reloads before each batch, so the check after a
-    yield sees the version that batch used)."""
-    stream = itertools.cycle(prompts)
-    for n in itertools.count():
-        if max_batches is not None and n >= max_batches:
-            return
-        yield list(itertools.islice(stream, size))
-        if until_version is not None and worker.policy_version >= until_version:
-            return
-
-
-def wait_for_policy(source: PolicySource, root: str,
-                    timeout_s: float = WEIGHTS_TIMEOUT_S) -> tuple[int, str]:
-    deadline = time.monotonic() + timeout_s
-    while (latest := source()) is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no weights published in {root} after {timeout_s} s")
-        time.sleep(1.0)
-    return latest
-
-
 def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1, *,
                      max_batches: int | None = None, until_version: int | None = None,
-                     stats: str | None = None) -> int:
-    """See the module doc; `stats`: a JSON file for the run's totals."""
+                     stats: str | None = None, exit_with_parent: bool = False) -> int:
+    """See the module doc; the arguments are `worker.main_from_config`'s."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # JAX only reads prompts here: the GPUs are vLLM's
     from espo_jax import configs
-    from espo_jax.buffer import BufferWriter
     from espo_jax.models.tokenizer import load_tokenizer
+    from espo_jax.rollout import worker
 
     m = config.mesh  # the learner's mesh: nothing of it runs here
     configs.validate(config, n_devices=m.data * m.fsdp * m.expert * m.tensor)
@@ -117,26 +75,10 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     require_vllm()  # fail fast: before preparing data and waiting for weights
     check_accelerator(wc.quantization, wc.capture_routing)
     os.makedirs(workdir, exist_ok=True)
-    prompts = training_prompts(config, workdir, tokenizer, index, num_workers)
-    root = os.path.join(workdir, "weights")
-    source = weights_source(root)
-    version, hf_dir = wait_for_policy(source, root)
-    worker = VllmWorker(hf_dir, version, wc)
-    log = functools.partial(print, flush=True)
-    log(f"[vllm_worker] worker {index} of {num_workers}: {len(prompts)} prompts, policy "
-        f"v{worker.policy_version} ({wc.sampler})")
-    batches = prompt_batches(prompts, config.rollout.prompts_per_step, worker,
-                             max_batches=max_batches, until_version=until_version)
-    buffer_dir = config.buffer.dir or os.path.join(workdir, "buffer")
-    with BufferWriter(buffer_dir, f"vllm-{index}") as writer:
-        totals = run(worker, batches, writer, source, log=log)
-    totals |= {"batches": worker.batches, "policy_version": worker.policy_version,
-               "reloads": worker.reloads, "sampler": wc.sampler}
-    log(json.dumps(totals))
-    if stats:
-        with open(stats, "w") as f:
-            json.dump(totals, f)
-    return 0
+    sampler = VllmSampler(wc, log=functools.partial(print, flush=True))
+    return worker.main_from_config(config, workdir, index, num_workers, max_batches=max_batches,
+                                   until_version=until_version, stats=stats, sampler=sampler,
+                                   exit_with_parent=exit_with_parent)
 
 
 def main(argv: list[str]) -> int:

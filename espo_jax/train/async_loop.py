@@ -159,12 +159,12 @@ class AsyncRun(Run):
         started = last_log = time.monotonic()
         last_live = time.monotonic()
         while distributed.is_primary() and len(read) < n:  # process 0 reads, all train on it
+            self._tend_workers()  # also while other workers deliver
             got = reader.read(n - len(read), timeout_s=_READ_SLICE_S, policy_version=version)
             if got:
                 read += got
                 flow.write_progress(self.publish_dir, version, reader.cursor)
                 continue
-            self._tend_workers()
             live = self._live()
             now = time.monotonic()
             if live or any(p.is_alive() for p in self.procs.values()):
@@ -188,7 +188,12 @@ class AsyncRun(Run):
         """All processes gather the parameters (a collective); process 0 writes them, with the
         Hugging Face export that vLLM workers load."""
         host = distributed.gather_to_host(params)
-        if distributed.is_primary():
+        if distributed.is_primary() and weights.version_dir(self.publish_dir, version).exists():
+            # A learner killed after publishing `version` but before its checkpoint: the resumed
+            # run recomputed the same update (same groups from the checkpoint's cursor); workers
+            # may already sample with the published one, so it stays.
+            logging.info("weights version %d is already published: keeping it", version)
+        elif distributed.is_primary():
             config = self.setup.model_config
             hf = hf_io.exporter(config, host) if self.config.rollout.engine == "vllm" else None
             weights.publish(self.publish_dir, version, config, host, hf_export=hf)

@@ -6,6 +6,8 @@ The classes below copy the fields of vllm 0.32.0's `CompletionOutput`, `RequestO
 
 import dataclasses
 import json
+import sys
+import types
 from typing import Any
 
 import numpy as np
@@ -219,3 +221,101 @@ def test_recorded_output_round_trip_through_json():
             routing(3, 1, np.int16))):
         d = json.loads(json.dumps(output_to_dict(out)))
         assert convert(output_from_dict(d)) == convert(out)
+
+
+# ---- VllmSampler on recorded outputs (no vLLM) ---------------------------------------------------
+class RecordedLLM:
+    """`vllm.LLM` at its boundary: `generate` answers each prompt with a recorded output."""
+
+    built: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+        RecordedLLM.built.append(self)
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append(params)
+        return [output_from_dict(RECORDED[tuple(p["prompt_token_ids"])]) for p in prompts]
+
+
+# Request 0 (n=2): samples of 4 and 2 tokens; request 1 (n=1): one of 3.
+RECORDED = {tuple(PROMPT): output_to_dict(joint_output()),
+            (1, 4): output_to_dict(RequestOutput([1, 4], [
+                completion(0, [6, 6, 2], routed=routing(2 + 3 - 1, offset=3))]))}
+
+
+def published(tmp_path, version, hf=True):
+    """A weights version dir (`buffer.weights` layout) whose hf/config.json is an M x K of E MoE."""
+    path = tmp_path / f"v{version:08d}"
+    (path / "hf").mkdir(parents=True)
+    if hf:
+        (path / "hf" / "config.json").write_text(json.dumps(
+            {"num_experts": E, "num_experts_per_tok": K, "num_hidden_layers": M}))
+    return path
+
+
+def test_vllm_sampler_groups_seeds_and_reload(tmp_path, monkeypatch):
+    import jax
+
+    from espo_jax.models.config import get_preset
+    from espo_jax.rollout import vllm_worker
+    from espo_jax.rollout.batching import Generation, Request
+    from espo_jax.rollout.sampling import SamplingConfig
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        __version__="0.32.0", LLM=RecordedLLM, TokensPrompt=dict,
+        SamplingParams=types.SimpleNamespace))
+    monkeypatch.setattr(vllm_worker, "check_accelerator", lambda *a: None)  # routing on, no GPU
+    monkeypatch.setattr(vllm_worker.VllmWorker, "_on_gpu", staticmethod(lambda: False))
+    RecordedLLM.built = []
+    logged = []
+    sampler = vllm_worker.VllmSampler(vllm_worker.VllmWorkerConfig(
+        n_samples=1, sampling=SamplingConfig(max_new_tokens=4, stop_tokens=(2,))),
+        log=logged.append)
+    model = get_preset("tiny")  # 2 MoE layers, top-2 of 8 experts: the hf/config.json's shape
+    with pytest.raises(FileNotFoundError, match="version 1 at .* has no hf/ export.*hf_export"):
+        sampler.load(1, published(tmp_path / "a", 1, hf=False), model)
+    with pytest.raises(ValueError, match=r"\(8, 2, 2\) but the version's config.json "
+                                         r"\(8, 2, 1\): a broken hf/ export"):
+        sampler.load(1, published(tmp_path / "b", 1), model.replace(top_k=1))
+    assert not RecordedLLM.built  # both refused before vLLM was asked for anything
+    sampler.load(1, published(tmp_path, 1), model)
+    assert (sampler.sampler_name, sampler.n_experts) == ("vllm-fp8", E)
+    assert RecordedLLM.built[0].kwargs["enable_return_routed_experts"] is True
+
+    requests = [Request("p0", PROMPT, n_samples=2), Request("p1", [1, 4], max_new_tokens=3)]
+    rng = jax.random.key(7)
+    seen = []
+    groups = sampler.generate_groups(requests, rng=rng, admission="longest_first",
+                                     on_group=seen.append)
+    # One generate call, per-request n, budget and seed: fold_in(rng, i) -> an int31.
+    (params,) = RecordedLLM.built[0].calls
+    seeds = [int(jax.random.randint(jax.random.fold_in(rng, i), (), 0, 2**31 - 1))
+             for i in range(2)]
+    assert [(p.n, p.max_tokens, p.seed) for p in params] == [(2, 4, seeds[0]), (1, 3, seeds[1])]
+    assert seeds[0] != seeds[1] and vllm_worker.request_seeds(rng, requests) == seeds
+    assert vllm_worker.request_seeds(rng, [Request("x", [1], seed=1)]) == seeds[1:]
+    assert seen == groups and [g.request_index for g in groups] == [0, 1]
+    g0, g1 = groups
+    assert g0.prompt_id == "p0" and g0.prompt_tokens.dtype == np.int32
+    assert g0.prompt_tokens.tolist() == PROMPT and all(
+        isinstance(r, Generation) for r in g0.responses)
+    # The conversion of `request_output_to_group` (test_joint_layout_n2_sentinel_last_row).
+    want = convert(joint_output()).responses
+    for r, w in zip(g0.responses, want, strict=True):
+        assert r.tokens.tolist() == w.tokens.tolist() and r.finish_reason == w.finish_reason
+        np.testing.assert_array_equal(r.logprobs, w.logprobs)
+        np.testing.assert_array_equal(r.routed_experts, w.routed_experts)
+    assert g1.responses[0].routed_experts.shape == (2 + 3, M, K)
+    assert sampler.last_stats["engine/abandoned_samples"] == 0.0
+    assert sampler.last_stats["engine/generated_tokens"] == 4 + 2 + 3
+
+    sampler.load(2, published(tmp_path, 2), model)  # on CPU "auto" rebuilds the LLM
+    assert len(RecordedLLM.built) == 2 and logged[-1].startswith("[vllm_worker] weights v2: "
+                                                                 "rebuild")
+    assert RecordedLLM.built[1].kwargs["model"].endswith("v00000002/hf")
+    with pytest.raises(VllmOutputError, match="1 completions for n=3 samples"):
+        sampler.generate_groups([Request("p1", [1, 4], n_samples=3)], rng=rng)
+    sampler.request_stop()  # a call that has not started returns nothing
+    assert sampler.generate_groups(requests, rng=rng) == []
+    assert len(RecordedLLM.built[1].calls) == 1

