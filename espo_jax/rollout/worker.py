@@ -503,6 +503,10 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     from espo_jax.models.tokenizer import load_tokenizer
 
     r = config.rollout
+    if r.prompts_per_step % num_workers:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "
+                         f"the {num_workers} workers (each samples prompts_per_step / "
+                         "num_workers prompts per batch)")
     tokenizer = load_tokenizer(config.tokenizer)
     train = run_setup.prompt_sets(config, workdir, tokenizer)[0]
     mine = run_setup.worker_share(train, index, num_workers)
@@ -514,7 +518,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
         buffer_dir=config.buffer.dir or os.path.join(workdir, "buffer"),
         writer_id=f"{'vllm' if sampler is not None else 'rollout'}-{index}",
         n_samples=config.zve.n_samples,
-        prompts_per_batch=max(r.prompts_per_step // num_workers, 1),
+        prompts_per_batch=r.prompts_per_step // num_workers,
         sampling=sampling,
         precision=r.precision,
         max_slots=r.num_slots,

@@ -228,3 +228,11 @@ def test_sigterm_mid_batch_drops_the_batch_and_a_restart_regenerates_it(tmp_path
             (p["prompt_id"], n) for p, n in plan]
     for g in groups:  # every group has its scored responses
         assert all(r.reward is not None and r.outcome is not None for r in g.responses)
+
+
+def test_workers_that_do_not_divide_the_step_are_refused(tmp_path):
+    """External workers (`--num_workers`) must split `rollout.prompts_per_step` evenly; the
+    check comes before any data is prepared or weights awaited."""
+    with pytest.raises(ValueError, match=r"prompts_per_step=4 must be divisible by the 3 workers"):
+        worker_lib.main_from_config(_experiment_config(), str(tmp_path), index=0, num_workers=3)
+    assert list(tmp_path.iterdir()) == []
