@@ -1,5 +1,7 @@
 """Learning curves of a run: `python -m espo_jax.plot WORKDIR [--out DIR]` writes PNGs to
-WORKDIR/plots (or DIR).
+WORKDIR/plots (or DIR). Several runs side by side: `python -m espo_jax.plot --compare
+--out FILE.png LABEL=WORKDIR ...` draws one metric (`--metric`, default held-out accuracy) of
+each run in one figure and stores the curves it drew in FILE.json.
 
 Reads WORKDIR/metrics.jsonl (RL and held-out eval records; the warm start has its own step
 axis and is left out). One figure per topic; a topic is drawn when any of its metrics was
@@ -32,7 +34,10 @@ TOPICS = {
     "clipping": ("pg/clipfrac_low", "pg/clipfrac_high", "pg/clipfrac"),
 }
 PHASES = ("rl", "eval")
-_OUT = flags.DEFINE_string("out", None, "output folder (default WORKDIR/plots)")
+_OUT = flags.DEFINE_string("out", None, "output folder (default WORKDIR/plots); with --compare "
+                           "the PNG file")
+_COMPARE = flags.DEFINE_bool("compare", False, "arguments are LABEL=WORKDIR runs: one figure")
+_METRIC = flags.DEFINE_string("metric", "eval/accuracy", "with --compare: the metric drawn")
 
 
 def read_records(path: str) -> list[dict]:
@@ -100,7 +105,56 @@ def plot_run(workdir: str, out_dir: str | None = None) -> list[str]:
     return written
 
 
+def compare_runs(runs: dict[str, str], out_png: str, metric: str = "eval/accuracy") -> dict:
+    """`metric` of each run (label -> workdir) in one figure at `out_png`; the curves drawn are
+    returned and written beside it as JSON (`{label: [[step, value], ...]}`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {}
+    for label, workdir in runs.items():
+        path = os.path.join(workdir, "metrics.jsonl")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found: is {workdir} a finished run's workdir?")
+        pts = series(read_records(path), metric).get(metric)
+        if not pts:
+            raise ValueError(f"{path} has no {metric!r} records")
+        curves[label] = pts
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, pts in curves.items():
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker=".", label=label)
+    ax.set_xlabel("RL step")
+    ax.set_title(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    with open(os.path.splitext(out_png)[0] + ".json", "w") as f:
+        json.dump({"metric": metric, "runs": runs, "curves": curves}, f, indent=1)
+    return curves
+
+
+def _compare_main(argv: list[str]) -> int:
+    if not _OUT.value or len(argv) < 2 or not all("=" in a for a in argv[1:]):
+        raise app.UsageError("--compare needs --out FILE.png and LABEL=WORKDIR arguments")
+    runs = dict(a.split("=", 1) for a in argv[1:])
+    try:
+        compare_runs(runs, _OUT.value, _METRIC.value)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(_OUT.value)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if _COMPARE.value:
+        return _compare_main(argv)
     if len(argv) != 2:
         raise app.UsageError(f"give one WORKDIR; got {' '.join(argv[1:]) or 'none'}")
     workdir = argv[1]

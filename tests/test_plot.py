@@ -93,3 +93,26 @@ def test_cli(tmp_path):
                          ([str(tmp_path), "--bogus"], "Unknown command line flag 'bogus'")):
         usage = run(*bad)
         assert usage.returncode == 1 and message in usage.stderr, usage.stderr
+
+
+def test_compare_runs_one_figure_and_its_curves(tmp_path):
+    """Two runs' held-out accuracy in one PNG; the JSON beside it holds exactly the curves
+    drawn (the later record of a resumed step wins, the warm start's records are left out)."""
+    _write_run(tmp_path / "a")
+    _write_run(tmp_path / "b")
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 8, "phase": "eval", "eval/accuracy": 0.75}) + "\n")
+    out = tmp_path / "fig" / "cmp.png"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "espo_jax.plot", *a],
+                                    capture_output=True, text=True, timeout=120)
+    ok = run("--compare", "--out", str(out), f"sync={tmp_path / 'a'}", f"async={tmp_path / 'b'}")
+    assert ok.returncode == 0, ok.stderr
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    stored = json.loads(out.with_suffix(".json").read_text())
+    assert stored["metric"] == "eval/accuracy"
+    assert stored["curves"] == {"sync": [[0, 0.25], [4, 0.5]],
+                                "async": [[0, 0.25], [4, 0.5], [8, 0.75]]}
+    bad = run("--compare", "--out", str(out), f"x={tmp_path / 'a'}", "--metric=eval/nope")
+    assert bad.returncode == 2 and "has no 'eval/nope' records" in bad.stderr
+    usage = run("--compare", f"x={tmp_path / 'a'}")
+    assert usage.returncode == 1 and "--compare needs --out FILE.png" in usage.stderr
