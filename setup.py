@@ -40,6 +40,10 @@ EXTRAS = {
         "ruff==0.17.6",
         "torch==2.13.0",  # the CPU build on this machine's disk; see README
         "transformers==5.24.0",
+        # `bench peers`: TRL's GRPOTrainer on the same workload (with the versions it pulls).
+        "trl==1.16.0",
+        "accelerate==1.15.0",
+        "datasets==5.2.0",
         "nbclient",
         "nbformat",
         "ipykernel",
