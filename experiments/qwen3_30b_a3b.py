@@ -107,6 +107,7 @@ def get_config(arg: str | None = None):
     c.train.updates_per_batch = 4  # 1024 responses -> 4 updates of 256
     rows_per_update = c.rollout.prompts_per_step * c.zve.n_samples // c.train.updates_per_batch
     c.train.micro_batches = max(rows_per_update // (c.mesh.data * c.mesh.fsdp), 1)
+    c.train.pack = False  # micro-batches of one row per sequence (packing needs one micro-batch)
     c.train.logprob_chunk = 512  # vocab projection in 512-token chunks (151936-wide logits)
     c.train.max_staleness = 1
     c.train.num_workers = 0  # vLLM workers are started by the launch script, not the learner

@@ -79,6 +79,7 @@ def test_divisibility_messages_name_the_numbers():
     c = _small()
     c.train.updates_per_batch = 2  # 8 rows per update
     c.train.micro_batches = 2
+    c.train.pack = False  # micro-batches need one row per sequence
     c.mesh.data = 3
     with pytest.raises(ValueError) as e:
         configs.validate(c, n_devices=8)
@@ -87,6 +88,16 @@ def test_divisibility_messages_name_the_numbers():
             "2 * 3 * 1") in str(e.value)
     c.mesh.data = 2  # 2 * 2 = 4 divides 8
     configs.validate(c, n_devices=8)
+
+
+def test_packing_refuses_micro_batches():
+    c = _small()
+    c.train.micro_batches = 2
+    with pytest.raises(ValueError, match=r"train.pack=True needs train.micro_batches == 1 "
+                                         r"\(got 2\)"):
+        configs.validate(c, n_devices=1)
+    c.train.pack = False
+    configs.validate(c, n_devices=1)
 
 
 def test_mesh_larger_than_devices():

@@ -103,17 +103,21 @@ def write_cache(
     )
 
 
-def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array, *, keys_BxSxKxA: jax.Array,
+def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
+                segments_BxT: jax.Array | None = None, *, keys_BxSxKxA: jax.Array,
                 values_BxSxKxA: jax.Array, key_pos_BxS: jax.Array, key_valid_BxS: jax.Array,
-                dtype: Any) -> jax.Array:
+                key_segments_BxS: jax.Array | None = None, dtype: Any) -> jax.Array:
     """Softmax attention of queries at `positions_BxT` over the keys at positions <= theirs
-    that are valid; scores and softmax in fp32. Materialises the [B, K, G, T, S] scores."""
+    that are valid (and, given segment ids, of the query's own segment: packed rows); scores
+    and softmax in fp32. Materialises the [B, K, G, T, S] scores."""
     a = q_BxTxKxGxA.shape[-1]
     scores = jnp.einsum("btkga,bska->bkgts", q_BxTxKxGxA, keys_BxSxKxA,
                         preferred_element_type=jnp.float32) * (a ** -0.5)
     mask_BxTxS = (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]) & key_valid_BxS[
         :, None, :
     ]
+    if key_segments_BxS is not None:
+        mask_BxTxS &= key_segments_BxS[:, None, :] == segments_BxT[:, :, None]
     # A finite minimum rather than -inf: a query with no valid key (a padding query)
     # gets a uniform, finite distribution instead of NaN; its output is never used.
     scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -121,8 +125,8 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array, *, keys_BxSxKx
     return jnp.einsum("bkgts,bska->btkga", probs, values_BxSxKxA)
 
 
-def chunked(attend: Callable[[jax.Array, jax.Array], jax.Array], q_BxTxKxGxA: jax.Array,
-            positions_BxT: jax.Array, chunk: int) -> jax.Array:
+def chunked(attend: Callable[..., jax.Array], q_BxTxKxGxA: jax.Array,
+            positions_BxT: jax.Array, segments_BxT: jax.Array, chunk: int) -> jax.Array:
     """`attend` over query chunks of `chunk` tokens, one after the other (`lax.map`), each
     under `jax.checkpoint`: the forward holds one chunk's [B, K, G, chunk, S] scores at a time
     and the backward recomputes them, so attention memory is O(chunk * S) instead of O(T * S).
@@ -134,15 +138,20 @@ def chunked(attend: Callable[[jax.Array, jax.Array], jax.Array], q_BxTxKxGxA: ja
     pad = n * chunk - t
     q = jnp.pad(q_BxTxKxGxA, ((0, 0), (0, pad)) + ((0, 0),) * 3)
     pos = jnp.pad(positions_BxT, ((0, 0), (0, pad)), constant_values=-1)
-    q_NxBxCxKxGxA = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
-    pos_NxBxC = jnp.moveaxis(pos.reshape(b, n, chunk), 1, 0)
-    out = jax.lax.map(lambda qp: jax.checkpoint(attend)(*qp), (q_NxBxCxKxGxA, pos_NxBxC))
+    seg = jnp.pad(segments_BxT, ((0, 0), (0, pad)))
+
+    def per_chunk(x):
+        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda qps: jax.checkpoint(attend)(*qps),
+                      (per_chunk(q), per_chunk(pos), per_chunk(seg)))
     return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :t]
 
 
 class Attention(nn.Module):
     """Grouped-query attention (K kv heads shared by H/K query heads each), q/k RMSNorm per
-    head, RoPE. A query at position p sees keys at positions <= p that are valid."""
+    head, RoPE. A query at position p sees keys at positions <= p that are valid (segment id
+    > 0) and, without a cache, of its own segment (several sequences packed in one row)."""
 
     config: ModelConfig
 
@@ -151,11 +160,12 @@ class Attention(nn.Module):
         self,
         x_BxTxD: jax.Array,
         positions_BxT: jax.Array,
-        valid_BxT: jax.Array,
+        segments_BxT: jax.Array,
         cache: dict | None = None,
         cache_mask_BxS: jax.Array | None = None,
     ) -> tuple[jax.Array, dict | None]:
         c = self.config
+        valid_BxT = segments_BxT > 0
         b, t, _ = x_BxTxD.shape
         h, kv, a = c.n_heads, c.n_kv_heads, c.head_dim
         q = dense(c, h * a, ("embed", "heads"), "q_proj", c.qkv_bias)(x_BxTxD)
@@ -173,6 +183,7 @@ class Attention(nn.Module):
         if cache is None:
             keys_BxSxKxA, values_BxSxKxA = k_BxTxKxA, v_BxTxKxA
             key_pos_BxS, key_valid_BxS = positions_BxT, valid_BxT
+            key_segments_BxS = segments_BxT
         else:
             s = cache["k"].shape[1]
             # Padding tokens (valid False) are not written: their slot index S is dropped.
@@ -185,16 +196,19 @@ class Attention(nn.Module):
             written_BxS = write_cache(jnp.zeros((b, s, 1, 1), bool),
                                       jnp.ones((b, t, 1, 1), bool), slots_BxT)[..., 0, 0]
             key_valid_BxS = cache_mask_BxS | written_BxS
+            key_segments_BxS = None  # a cache row holds one sequence
 
         g = h // kv
         q_BxTxKxGxA = q_BxTxHxA.reshape(b, t, kv, g, a)
         attend = functools.partial(attend_keys, keys_BxSxKxA=keys_BxSxKxA,
                                    values_BxSxKxA=values_BxSxKxA, key_pos_BxS=key_pos_BxS,
-                                   key_valid_BxS=key_valid_BxS, dtype=c.dtype)
+                                   key_valid_BxS=key_valid_BxS,
+                                   key_segments_BxS=key_segments_BxS, dtype=c.dtype)
         if c.attention_chunk and t > c.attention_chunk:
-            out_BxTxKxGxA = chunked(attend, q_BxTxKxGxA, positions_BxT, c.attention_chunk)
+            out_BxTxKxGxA = chunked(attend, q_BxTxKxGxA, positions_BxT, segments_BxT,
+                                    c.attention_chunk)
         else:
-            out_BxTxKxGxA = attend(q_BxTxKxGxA, positions_BxT)
+            out_BxTxKxGxA = attend(q_BxTxKxGxA, positions_BxT, segments_BxT)
         out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxKxGxA.reshape(b, t, h * a))
         return out, new_cache
 

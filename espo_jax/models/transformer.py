@@ -43,15 +43,17 @@ class Block(nn.Module):
     moe: bool
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, valid_BxT, replay_BxTxk, cache, cache_mask_BxS):
+    def __call__(self, x_BxTxD, positions_BxT, segments_BxT, replay_BxTxk, cache,
+                 cache_mask_BxS):
         c = self.config
         h, new_cache = Attention(c, name="attn")(
-            rms_norm(c, "attn_norm")(x_BxTxD), positions_BxT, valid_BxT, cache, cache_mask_BxS
+            rms_norm(c, "attn_norm")(x_BxTxD), positions_BxT, segments_BxT, cache, cache_mask_BxS
         )
         x_BxTxD = x_BxTxD + h
         y = rms_norm(c, "mlp_norm")(x_BxTxD)
         if self.moe:
-            y, logits, experts, stats = MoeBlock(c, name="moe")(y, replay_BxTxk, valid_BxT)
+            y, logits, experts, stats = MoeBlock(c, name="moe")(y, replay_BxTxk,
+                                                                segments_BxT > 0)
             routing = (logits, experts, stats)
         else:
             y, routing = Mlp(c, c.d_ff, name="mlp")(y), None
@@ -86,7 +88,7 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT, valid_BxT, replay_BxTxMxk, cache,
+    def __call__(self, tokens_BxT, positions_BxT, segments_BxT, replay_BxTxMxk, cache,
                  cache_mask_BxS, return_logits: bool):
         c = self.config
         embed = Embed(c, name="embed")
@@ -99,7 +101,7 @@ class Transformer(nn.Module):
             layer_cache = None if cache is None else cache[f"layers_{i}"]
             block = nn.remat(Block) if c.remat else Block
             x, layer_cache, routing = block(c, moe, name=f"layers_{i}")(
-                x, positions_BxT, valid_BxT, replay, layer_cache, cache_mask_BxS
+                x, positions_BxT, segments_BxT, replay, layer_cache, cache_mask_BxS
             )
             x = _constrain(x)
             if cache is not None:
@@ -132,6 +134,7 @@ def forward(
     *,
     positions_BxT: jax.Array | None = None,
     attention_mask_BxT: jax.Array | None = None,
+    segment_ids_BxT: jax.Array | None = None,
     routed_experts_BxTxMxk: jax.Array | None = None,
     cache: dict | None = None,
     cache_mask_BxS: jax.Array | None = None,
@@ -143,6 +146,9 @@ def forward(
 
     positions_BxT: default arange(T) in every row. attention_mask_BxT: True = real token; keys
     that are False are never attended to (and are excluded from the aux losses).
+    segment_ids_BxT: several sequences packed in a row: a query attends only to keys of its
+    own segment id; id 0 marks padding (as attention_mask False). Give positions_BxT that
+    restart at each segment. Not with a cache.
     routed_experts_BxTxMxk: router replay, expert ids per token and MoE layer; a token whose row
     holds the sentinel -1 routes normally. cache (from `init_cache`) with cache_mask_BxS
     (True = slot holds a real earlier token of the row): the T new tokens are written at slots
@@ -158,12 +164,17 @@ def forward(
     b, t = tokens_BxT.shape
     if positions_BxT is None:
         positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if attention_mask_BxT is None:
-        valid_BxT = jnp.ones((b, t), bool)
+    if segment_ids_BxT is not None:
+        if attention_mask_BxT is not None or cache is not None:
+            raise ValueError("segment_ids_BxT replaces attention_mask_BxT (id 0 = padding) and "
+                             "cannot be used with a cache")
+        segments_BxT = jnp.asarray(segment_ids_BxT).astype(jnp.int32)
+    elif attention_mask_BxT is None:
+        segments_BxT = jnp.ones((b, t), jnp.int32)
     else:
-        valid_BxT = jnp.asarray(attention_mask_BxT).astype(bool)
+        segments_BxT = jnp.asarray(attention_mask_BxT).astype(bool).astype(jnp.int32)
     _check_shape("positions_BxT", positions_BxT, (b, t))
-    _check_shape("attention_mask_BxT", valid_BxT, (b, t))
+    _check_shape("attention_mask_BxT / segment_ids_BxT", segments_BxT, (b, t))
     _check_shape("routed_experts_BxTxMxk", routed_experts_BxTxMxk,
                  (b, t, config.n_moe_layers, config.top_k))
     if cache is not None:
@@ -177,7 +188,7 @@ def forward(
         _check_shape("cache_mask_BxS", cache_mask_BxS, (b, s))
         cache_mask_BxS = jnp.asarray(cache_mask_BxS).astype(bool)
     hidden, logits, r_logits, experts, stats, new_cache = Transformer(config).apply(
-        {"params": params}, tokens_BxT, jnp.asarray(positions_BxT), valid_BxT,
+        {"params": params}, tokens_BxT, jnp.asarray(positions_BxT), segments_BxT,
         routed_experts_BxTxMxk, cache, cache_mask_BxS, return_logits,
     )
     if experts:

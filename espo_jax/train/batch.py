@@ -5,6 +5,14 @@ step compiles once; rows beyond the real responses are all-masked and contribute
 Row r holds `prompt + response` right-padded; `targets[r, t]` is the token at t + 1 and
 `loss_mask[r, t]` is 1 where that target is a response token. Routing and behaviour log-probs
 are aligned the same way (routing to inputs, log-probs to targets).
+
+Packing (`pack=True`): the model runs on `[R, T]` rows that each hold several sequences one
+after the other (`segment_ids` 1, 2, ... per sequence, 0 on padding; positions restart at each
+sequence), R ~ the rows the tokens fill instead of one row per sequence: no compute on padding.
+The loss side keeps the per-sequence `[B, T]` layout: `unpack[b, t]` is the flat index into the
+`[R, T]` model outputs of sequence b's position t (R*T where there is none), so the losses,
+advantages and aggregations are the unpacked ones, value for value. R is rounded up to a
+multiple of `B / PACK_BUCKETS` rows (a few distinct shapes, each compiled once).
 """
 
 from __future__ import annotations
@@ -15,20 +23,26 @@ import flax
 import jax
 import numpy as np
 
+PACK_BUCKETS = 16  # packed row counts are multiples of rows / PACK_BUCKETS
+
 
 @flax.struct.dataclass
 class RLBatch:
-    tokens: jax.Array  # [B, T] int32 inputs
-    positions: jax.Array  # [B, T] int32
-    targets: jax.Array  # [B, T] int32 next tokens
+    # Model side: [R, T] (R = B unless packed).
+    tokens: jax.Array  # [R, T] int32 inputs
+    positions: jax.Array  # [R, T] int32
+    targets: jax.Array  # [R, T] int32 next tokens
+    segment_ids: jax.Array  # [R, T] int32: 1, 2, ... per sequence in the row, 0 = padding
+    # Loss side: [B, T], one row per sequence.
     loss_mask: jax.Array  # [B, T] float32, 1 on response targets
     advantages: jax.Array  # [B] float32 sequence advantages (GRPO etc.)
     zv_sign: jax.Array  # [B] float32: +1 all-correct / -1 all-wrong zero-variance group, else 0
     behaviour_logp: jax.Array  # [B, T] float32 sampler log-probs of the targets (0 off-mask)
-    routed_experts: jax.Array | None  # [B, T, M, k] int32 recorded routing, -1 = none
+    routed_experts: jax.Array | None  # [R, T, M, k] int32 recorded routing, -1 = none
+    unpack: jax.Array | None = None  # [B, T] int32 flat index into [R, T]; None: not packed
     old_logp: jax.Array | None = None  # [B, T] filled by the old-policy pass
     old_entropy: jax.Array | None = None  # [B, T]
-    old_routed_experts: jax.Array | None = None  # [B, T, M, k] learner's own old routing (R2)
+    old_routed_experts: jax.Array | None = None  # [R, T, M, k] learner's own old routing (R2)
     ref_logp: jax.Array | None = None  # [B, T] reference policy's log-probs (KL penalty)
 
 
@@ -60,6 +74,21 @@ def balance_rows(lengths: Sequence[int], n_shards: int, rows_per_shard: int) -> 
     return [i for s in shards for i in s]
 
 
+def fill_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """First-fit decreasing: sequences (by index) per row of `seq_len` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = next((j for j, f in enumerate(free) if f >= lengths[i]), None)
+        if j is None:
+            rows.append([])
+            free.append(seq_len)
+            j = len(rows) - 1
+        rows[j].append(i)
+        free[j] -= lengths[i]
+    return rows
+
+
 def pack_sequences(
     prompts: Sequence[np.ndarray],
     responses: Sequence[np.ndarray],
@@ -73,8 +102,10 @@ def pack_sequences(
     pad_id: int,
     n_shards: int = 1,
     moe_shape: tuple[int, int] | None = None,
+    pack: bool = False,
 ) -> RLBatch:
-    """Packs `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy)."""
+    """Puts `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy);
+    with `pack`, its model side in as few rows as the tokens fill (module docstring)."""
     if rows % n_shards:
         raise ValueError(f"batch rows {rows} not divisible by data shards {n_shards}")
     for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logps, strict=True)):
@@ -87,24 +118,54 @@ def pack_sequences(
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     if lengths and max(lengths) > seq_len + 1:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds seq_len + 1 = {seq_len + 1}")
-    order = balance_rows(lengths, n_shards, rows // n_shards)
-    tokens = np.full((rows, seq_len), pad_id, np.int32)
-    targets = np.full((rows, seq_len), pad_id, np.int32)
+    per_shard = rows // n_shards
+    order = balance_rows(lengths, n_shards, per_shard)
+    # Where each sequence's inputs go on the model side: (model row, first column).
+    place: dict[int, tuple[int, int]] = {}
+    if pack:
+        shard_rows = [fill_rows([lengths[i] - 1 for i in shard], seq_len)
+                      for shard in (
+                          [i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
+                          for d in range(n_shards))]
+        step = max(1, per_shard // PACK_BUCKETS)
+        model_per_shard = min(per_shard, -(-max(1, *map(len, shard_rows)) // step) * step)
+        for d, filled in enumerate(shard_rows):
+            shard = [i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
+            for j, members in enumerate(filled):
+                col = 0
+                for m in members:
+                    place[shard[m]] = (d * model_per_shard + j, col)
+                    col += lengths[shard[m]] - 1
+        model_rows = n_shards * model_per_shard
+    else:
+        place = {i: (row, 0) for row, i in enumerate(order) if i < len(lengths)}
+        model_rows = rows
+    tokens = np.full((model_rows, seq_len), pad_id, np.int32)
+    targets = np.full((model_rows, seq_len), pad_id, np.int32)
+    positions = np.zeros((model_rows, seq_len), np.int32)
+    segments = np.zeros((model_rows, seq_len), np.int32)
     loss_mask = np.zeros((rows, seq_len), np.float32)
     blogp = np.zeros((rows, seq_len), np.float32)
     adv = np.zeros((rows,), np.float32)
     zvs = np.zeros((rows,), np.float32)
+    unpack = np.full((rows, seq_len), model_rows * seq_len, np.int32) if pack else None
     routed = None
     if moe_shape is not None:
-        routed = np.full((rows, seq_len, *moe_shape), -1, np.int32)
+        routed = np.full((model_rows, seq_len, *moe_shape), -1, np.int32)
     for row, i in enumerate(order):
         if i >= len(lengths):
             continue
         p, r = np.asarray(prompts[i]), np.asarray(responses[i])
         full = np.concatenate([p, r]).astype(np.int32)
         n_in = len(full) - 1
-        tokens[row, :n_in] = full[:-1]
-        targets[row, :n_in] = full[1:]
+        mrow, col = place[i]
+        cols = slice(col, col + n_in)
+        tokens[mrow, cols] = full[:-1]
+        targets[mrow, cols] = full[1:]
+        positions[mrow, cols] = np.arange(n_in)
+        segments[mrow, cols] = 1 + int(np.max(segments[mrow])) if pack else 1
+        if unpack is not None:
+            unpack[row, :n_in] = mrow * seq_len + col + np.arange(n_in)
         # Target t is response token (t + 1 - len(p)); it is a response token when t >= len(p) - 1.
         loss_mask[row, len(p) - 1 : n_in] = 1.0
         blogp[row, len(p) - 1 : n_in] = np.asarray(behaviour_logps[i], np.float32)[: len(r)]
@@ -112,15 +173,18 @@ def pack_sequences(
         zvs[row] = zv_sign[i]
         if routed is not None and routings is not None and routings[i] is not None:
             ri = np.asarray(routings[i])[:n_in].astype(np.int32)
-            routed[row, : len(ri)] = ri
-    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)).copy()
+            routed[mrow, col : col + len(ri)] = ri
+    if not pack:  # padding columns keep counting positions (as an unpacked row always did)
+        positions[:] = np.arange(seq_len, dtype=np.int32)
     return RLBatch(
         tokens=tokens,
         positions=positions,
         targets=targets,
+        segment_ids=segments,
         loss_mask=loss_mask,
         advantages=adv,
         zv_sign=zvs,
         behaviour_logp=blogp,
         routed_experts=routed,
+        unpack=unpack,
     )

@@ -174,8 +174,11 @@ class Learner:
 
     def _run_compiled(self, name: str, fn, *args):
         """`fn(*args)` through its ahead-of-time executable, compiled (and its memory report
-        logged) on the first call, traced under the logical-axis rules; inputs keep one shape,
-        so it compiles once."""
+        logged) on the first call with the batch's shape, traced under the logical-axis rules;
+        unpacked batches keep one shape (one compile), packed ones a few (`batch.PACK_BUCKETS`)."""
+        batch = args[1]
+        if batch.tokens.shape[0] != self.rows_per_update:
+            name = f"{name}_{batch.tokens.shape[0]}rows"
         exe = self._compiled.get(name)
         if exe is None:
             start = time.time()
@@ -203,6 +206,7 @@ class Learner:
             pad_id=0,
             n_shards=self.n_data_shards,
             moe_shape=self.moe_shape,
+            pack=self.config.train.pack,
         )
 
     def minibatches(self, groups: Sequence[RolloutGroup],

@@ -28,20 +28,34 @@ from espo_jax.train.state import TrainState, apply_gradients
 REPLAY_MODES = ("r3", "r2", "off")
 
 
-def sequence_logprobs(model_config, params, tokens, positions, targets, routed, chunk_size):
-    """Per-token log-probs and entropies of `targets`, chunked over the vocabulary projection."""
+def sequence_logprobs(model_config, params, tokens, positions, targets, routed, chunk_size,
+                      segments=None, unpack=None):
+    """Per-token log-probs and entropies of `targets`, chunked over the vocabulary projection.
+
+    `segments`: the rows' segment ids (`RLBatch.segment_ids`); `unpack`: packed rows' index map
+    (`RLBatch.unpack`), which brings the log-probs and entropies back to one row per sequence
+    (zero where a sequence has no token). `out` stays on the model's rows."""
     out = models.forward(
         model_config,
         params,
         tokens,
         positions_BxT=positions,
+        segment_ids_BxT=segments,
         routed_experts_BxTxMxk=routed,
         return_hidden=True,
         return_logits=False,
     )
     w_DxV = models.lm_head_kernel(model_config, params)
     logp, ent = rl_logprobs.logprobs_from_hidden(out.hidden, w_DxV, targets, chunk_size=chunk_size)
+    if unpack is not None:
+        logp, ent = unpack_rows(logp, unpack), unpack_rows(ent, unpack)
     return logp, ent, out
+
+
+def unpack_rows(x_RxT: jax.Array, unpack_BxT: jax.Array) -> jax.Array:
+    """`x` of packed rows at the flat positions `unpack` (R*T: zero)."""
+    flat = jnp.concatenate([x_RxT.reshape(-1), jnp.zeros((1,), x_RxT.dtype)])
+    return flat[unpack_BxT]
 
 
 def _masked_mean(x, mask):
@@ -59,7 +73,7 @@ def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: 
     reference), routed by `_frozen_routing`."""
     return sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets,
-        _frozen_routing(batch, replay), chunk_size,
+        _frozen_routing(batch, replay), chunk_size, batch.segment_ids, batch.unpack,
     )
 
 
@@ -139,7 +153,8 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
             "off": None,
         }[replay]
     logp, ent, out = sequence_logprobs(
-        model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size
+        model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size,
+        batch.segment_ids, batch.unpack,
     )
     fused_metrics = {}
     if fused:

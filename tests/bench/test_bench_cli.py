@@ -6,10 +6,12 @@ import sys
 
 import pytest
 
+NAMES = "model, buffer, engine, zve, attention, peers"
+
 
 @pytest.mark.parametrize("args, message", [
-    ([], "give one benchmark NAME, one of model, buffer, engine, zve, attention; got none"),
-    (["nope"], "give one benchmark NAME, one of model, buffer, engine, zve, attention; got nope"),
+    ([], f"give one benchmark NAME, one of {NAMES}; got none"),
+    (["nope"], f"give one benchmark NAME, one of {NAMES}; got nope"),
     (["model", "--budget=5"], "--budget: not a flag of the model benchmark"),
     (["zve", "--init_from=/nonexistent/run"], "--init_from '/nonexistent/run' is not a directory"),
     (["model", "--bogus"], "Unknown command line flag 'bogus'"),

@@ -79,7 +79,8 @@ def _rl_batch(adv, sign, entropy, mask):
     b, t = np.shape(mask)
     z = jnp.zeros((b, t))
     return RLBatch(tokens=z.astype(jnp.int32), positions=z.astype(jnp.int32),
-                   targets=z.astype(jnp.int32), loss_mask=jnp.asarray(mask, jnp.float32),
+                   targets=z.astype(jnp.int32), segment_ids=(z + 1).astype(jnp.int32),
+                   loss_mask=jnp.asarray(mask, jnp.float32),
                    advantages=jnp.asarray(adv, jnp.float32), zv_sign=jnp.asarray(sign, jnp.float32),
                    behaviour_logp=z, routed_experts=None, old_entropy=jnp.asarray(entropy))
 
@@ -435,11 +436,12 @@ def test_kl_penalty_pulls_towards_the_reference(learner_setup):
     moved = jax.tree.map(lambda x: x + 0, state.params)
     kl_moved = kl_at(moved)
     assert kl_moved > 1e-4
-    # ...and updates with the KL term alone bring it back (k3 estimate of KL(pi || ref)).
+    # ...and updates with the KL term alone bring it back (k3 estimate of KL(pi || ref)). Adam
+    # at lr 1e-2 may overshoot in its first updates; six bring it well inside a quarter.
     state = make_state(moved)
-    for _ in range(3):
+    for _ in range(6):
         state, m = lrn.update(state, *flat)
-    assert kl_at(state.params) < 0.5 * kl_moved
+    assert kl_at(state.params) < 0.25 * kl_moved
 
 
 def test_anchor_teaches_worked_solutions_during_rl(learner_setup):

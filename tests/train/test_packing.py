@@ -1,0 +1,107 @@
+"""Sequence packing: the learner's loss, gradients, log-probs and routing are those of one row
+per sequence, for every loss, with router replay, fused and after an old-policy pass."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax.models import get_preset, init_params
+from espo_jax.rl.loss_config import paper_loss_config
+from espo_jax.rl.losses import LOSSES
+from espo_jax.train import step as step_lib
+from espo_jax.train.batch import pack_sequences
+
+CONFIG = get_preset("tiny")
+SEQ_LEN, ROWS = 24, 16
+
+
+def _sequences(seed=0):
+    """12 prompt + response pairs of mixed lengths (some response-less), recorded routing of
+    distinct experts on every token but the last, behaviour log-probs near the policy's."""
+    rng = np.random.default_rng(seed)
+    prompts, responses, blogps, routings = [], [], [], []
+    for _ in range(12):
+        p = rng.integers(3, CONFIG.vocab_size, rng.integers(1, 7))
+        r = rng.integers(3, CONFIG.vocab_size, rng.integers(0, SEQ_LEN + 1 - len(p)))
+        route = np.stack([rng.permutation(CONFIG.n_experts)[:CONFIG.top_k]
+                          for _ in range((len(p) + len(r)) * CONFIG.n_moe_layers)])
+        route = route.reshape(len(p) + len(r), CONFIG.n_moe_layers, CONFIG.top_k)
+        route[-1] = -1
+        prompts.append(p), responses.append(r), routings.append(route)
+        blogps.append(rng.normal(-3.0, 0.3, len(r)).astype(np.float32))
+    adv = rng.normal(size=12).astype(np.float32)
+    sign = np.zeros(12, np.float32)
+    return prompts, responses, blogps, routings, adv, sign
+
+
+def _batches():
+    args = _sequences()
+    kw = dict(rows=ROWS, seq_len=SEQ_LEN, pad_id=0, moe_shape=(CONFIG.n_moe_layers,
+                                                               CONFIG.top_k))
+    return (jax.tree.map(jnp.asarray, pack_sequences(*args, **kw, pack=False)),
+            jax.tree.map(jnp.asarray, pack_sequences(*args, **kw, pack=True)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return init_params(CONFIG, jax.random.key(0)), _batches()
+
+
+def test_packing_fills_fewer_rows_and_keeps_every_token(setup):
+    _, (padded, packed) = setup
+    # Mixed lengths: the 12 sequences' tokens fit in fewer rows than one row each.
+    n_tokens = int(np.sum(np.asarray(padded.segment_ids) > 0))
+    assert packed.tokens.shape[0] < 12 <= padded.tokens.shape[0]
+    assert int(np.sum(np.asarray(packed.segment_ids) > 0)) == n_tokens
+    # The unpack map takes each sequence's inputs, targets and routing back to its own row.
+    flat = np.asarray(packed.unpack)
+    has = flat < packed.tokens.size
+    for name in ("tokens", "targets"):
+        got = np.asarray(getattr(packed, name)).reshape(-1)[np.where(has, flat, 0)]
+        np.testing.assert_array_equal(np.where(has, got, 0),
+                                      np.where(has, np.asarray(getattr(padded, name)), 0))
+    routed = np.asarray(packed.routed_experts).reshape(-1, CONFIG.n_moe_layers, CONFIG.top_k)
+    np.testing.assert_array_equal(routed[flat[has]], np.asarray(padded.routed_experts)[has])
+    np.testing.assert_array_equal(has, np.asarray(padded.segment_ids) > 0)
+
+
+def _loss_and_grads(old_params, params, batch, loss_name, replay, fused):
+    loss_config = paper_loss_config(loss_name)
+    loss_config.vocab_size = CONFIG.vocab_size
+    kw = dict(model_config=CONFIG, replay=replay, chunk_size=8)
+    if not fused:
+        batch, _ = jax.jit(functools.partial(step_lib.old_policy_pass, **kw))(old_params, batch)
+    fn = functools.partial(step_lib.rl_loss, loss_config=loss_config, zvp_alpha=0.0,
+                           fused=fused, **kw)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, batch)
+    return loss, metrics, grads
+
+
+# Every aggregation (ESPO's group mean, DAPO's token mean, the sequence means) and every
+# ratio level (token, sequence, ESPO's entropy groups), fused and after an old-policy pass.
+CASES = [("espo", "r3", True), ("dapo", "r3", True), ("gspo", "r3", True),
+         ("espo", "r2", False), ("gspo_token", "off", False), ("grpo", "off", False)]
+
+
+def test_the_cases_cover_every_loss():
+    assert {name for name, _, _ in CASES} == set(LOSSES)
+
+
+@pytest.mark.parametrize("loss_name,replay,fused", CASES)
+def test_packed_loss_and_gradients_equal_the_padded_ones(setup, loss_name, replay, fused):
+    params, (padded, packed) = setup
+    # Off the fused path the loss is taken at perturbed parameters: ratios depart from 1.
+    at = params if fused else jax.tree.map(lambda p: p * 1.05, params)
+    loss_a, m_a, g_a = _loss_and_grads(params, at, padded, loss_name, replay, fused)
+    loss_b, m_b, g_b = _loss_and_grads(params, at, packed, loss_name, replay, fused)
+    assert np.isfinite(float(loss_a)) and abs(float(loss_a)) > 1e-6
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5, atol=1e-7)
+    for key in ("pg/loss", "moe/aux_loss"):
+        np.testing.assert_allclose(float(m_b[key]), float(m_a[key]), rtol=1e-5, atol=1e-7)
+    flat_a, flat_b = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in flat_a)
+    for a, b in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5 * scale)
