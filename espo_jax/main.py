@@ -33,8 +33,9 @@ def main(argv) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import jax
 
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.expanduser("~/.cache/espo_jax/jax_cache"))
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a user's own cache directory wins
+        jax.config.update("jax_compilation_cache_dir",
+                          os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     from espo_jax import configs, distributed
 

@@ -6,13 +6,19 @@ persistent compilation cache outside the repository so repeated CI runs compile 
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Appended to a user's own XLA_FLAGS (the sharding tests would otherwise skip); a device count
+# set there is kept.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/espo_jax/jax_cache"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a user's own cache directory wins
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.expanduser("~/.cache/espo_jax/jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
