@@ -128,6 +128,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Sequence packing: the learner's forward runs on rows holding several sequences each (no
     # compute on padding; the losses see one row per sequence, `espo_jax.train.batch`).
     c.train.pack = True  # needs micro_batches == 1
+    c.train.pack_len = 0  # tokens per packed row (0: twice the RL row length)
     # Supervised anchor (PPO-ptx): every update also descends anchor_coef x the cross-entropy of
     # anchor_rows worked solutions of the warm-start levels.
     c.train.anchor_coef = 0.0  # weight of the anchor's cross-entropy (0: off)
@@ -191,6 +192,7 @@ _BOUNDS = (
     ("optim.lr", 0.0, False, None),
     ("warmstart.lr", 0.0, False, None),
     ("optim.warmup_steps", 0, True, None),
+    ("train.pack_len", 0, True, None),
     ("optim.final_lr_frac", 0.0, True, 1.0),
     ("warmstart.batch_size", 1, True, None),
     ("checkpoint.every", 1, True, None),
@@ -290,6 +292,10 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
                 f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
                 f"{config.mesh.fsdp}"
             )
+        row = config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
+        if config.train.pack and 0 < config.train.pack_len < row:
+            errors.append(f"train.pack_len = {config.train.pack_len} is shorter than an RL row "
+                          f"(rollout.max_prompt_len + max_new_tokens - 1 = {row}); 0 = {2 * row}")
         if config.train.pack and config.train.micro_batches > 1:
             errors.append(
                 f"train.pack=True needs train.micro_batches == 1 (got "

@@ -6,13 +6,15 @@ Row r holds `prompt + response` right-padded; `targets[r, t]` is the token at t 
 `loss_mask[r, t]` is 1 where that target is a response token. Routing and behaviour log-probs
 are aligned the same way (routing to inputs, log-probs to targets).
 
-Packing (`pack=True`): the model runs on `[R, T]` rows that each hold several sequences one
-after the other (`segment_ids` 1, 2, ... per sequence, 0 on padding; positions restart at each
-sequence), R ~ the rows the tokens fill instead of one row per sequence: no compute on padding.
-The loss side keeps the per-sequence `[B, T]` layout: `unpack[b, t]` is the flat index into the
-`[R, T]` model outputs of sequence b's position t (R*T where there is none), so the losses,
-advantages and aggregations are the unpacked ones, value for value. R is rounded up to a
-multiple of `B / PACK_BUCKETS` rows (a few distinct shapes, each compiled once).
+Packing (`pack=True`): the model runs on `[R, W]` rows (W = `pack_len`, by default 2T: rows of
+T leave little room beside a long sequence) that each hold several sequences one after the
+other (`segment_ids` 1, 2, ... per sequence, 0 on padding; positions restart at each
+sequence), R ~ the rows the tokens fill instead of one row per sequence: little compute on
+padding. The loss side keeps the per-sequence `[B, T]` layout: `unpack[b, t]` is the flat index
+into the `[R, W]` model outputs of sequence b's position t (R*W where there is none), so the
+losses, advantages and aggregations are the unpacked ones, value for value. R is rounded up
+to a multiple of 1/PACK_BUCKETS of the rows the unpacked tokens would fill (a few distinct
+shapes, each compiled once).
 """
 
 from __future__ import annotations
@@ -23,26 +25,26 @@ import flax
 import jax
 import numpy as np
 
-PACK_BUCKETS = 16  # packed row counts are multiples of rows / PACK_BUCKETS
+PACK_BUCKETS = 16  # packed row counts: multiples of 1/PACK_BUCKETS of the most they can be
 
 
 @flax.struct.dataclass
 class RLBatch:
-    # Model side: [R, T] (R = B unless packed).
-    tokens: jax.Array  # [R, T] int32 inputs
-    positions: jax.Array  # [R, T] int32
-    targets: jax.Array  # [R, T] int32 next tokens
-    segment_ids: jax.Array  # [R, T] int32: 1, 2, ... per sequence in the row, 0 = padding
+    # Model side: [R, W] (R, W = B, T unless packed).
+    tokens: jax.Array  # [R, W] int32 inputs (W = T unless packed)
+    positions: jax.Array  # [R, W] int32
+    targets: jax.Array  # [R, W] int32 next tokens
+    segment_ids: jax.Array  # [R, W] int32: 1, 2, ... per sequence in the row, 0 = padding
     # Loss side: [B, T], one row per sequence.
     loss_mask: jax.Array  # [B, T] float32, 1 on response targets
     advantages: jax.Array  # [B] float32 sequence advantages (GRPO etc.)
     zv_sign: jax.Array  # [B] float32: +1 all-correct / -1 all-wrong zero-variance group, else 0
     behaviour_logp: jax.Array  # [B, T] float32 sampler log-probs of the targets (0 off-mask)
-    routed_experts: jax.Array | None  # [R, T, M, k] int32 recorded routing, -1 = none
-    unpack: jax.Array | None = None  # [B, T] int32 flat index into [R, T]; None: not packed
+    routed_experts: jax.Array | None  # [R, W, M, k] int32 recorded routing, -1 = none
+    unpack: jax.Array | None = None  # [B, T] int32 flat index into [R, W]; None: not packed
     old_logp: jax.Array | None = None  # [B, T] filled by the old-policy pass
     old_entropy: jax.Array | None = None  # [B, T]
-    old_routed_experts: jax.Array | None = None  # [R, T, M, k] learner's own old routing (R2)
+    old_routed_experts: jax.Array | None = None  # [R, W, M, k] learner's own old routing (R2)
     ref_logp: jax.Array | None = None  # [B, T] reference policy's log-probs (KL penalty)
 
 
@@ -103,9 +105,11 @@ def pack_sequences(
     n_shards: int = 1,
     moe_shape: tuple[int, int] | None = None,
     pack: bool = False,
+    pack_len: int = 0,
 ) -> RLBatch:
     """Puts `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy);
-    with `pack`, its model side in as few rows as the tokens fill (module docstring)."""
+    with `pack`, its model side in as few rows of `pack_len` tokens (0: 2 * seq_len) as the
+    tokens fill (module docstring)."""
     if rows % n_shards:
         raise ValueError(f"batch rows {rows} not divisible by data shards {n_shards}")
     for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logps, strict=True)):
@@ -120,15 +124,19 @@ def pack_sequences(
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds seq_len + 1 = {seq_len + 1}")
     per_shard = rows // n_shards
     order = balance_rows(lengths, n_shards, per_shard)
+    width = (pack_len or 2 * seq_len) if pack else seq_len  # model-side row length
+    if width < seq_len:
+        raise ValueError(f"pack_len {pack_len} is shorter than a sequence row ({seq_len})")
     # Where each sequence's inputs go on the model side: (model row, first column).
     place: dict[int, tuple[int, int]] = {}
     if pack:
-        shard_rows = [fill_rows([lengths[i] - 1 for i in shard], seq_len)
+        shard_rows = [fill_rows([lengths[i] - 1 for i in shard], width)
                       for shard in (
                           [i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
                           for d in range(n_shards))]
-        step = max(1, per_shard // PACK_BUCKETS)
-        model_per_shard = min(per_shard, -(-max(1, *map(len, shard_rows)) // step) * step)
+        most = -(-per_shard * seq_len // width)  # rows of `width` the unpacked tokens fill
+        step = max(1, most // PACK_BUCKETS)
+        model_per_shard = min(most, -(-max(1, *map(len, shard_rows)) // step) * step)
         for d, filled in enumerate(shard_rows):
             shard = [i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
             for j, members in enumerate(filled):
@@ -140,18 +148,18 @@ def pack_sequences(
     else:
         place = {i: (row, 0) for row, i in enumerate(order) if i < len(lengths)}
         model_rows = rows
-    tokens = np.full((model_rows, seq_len), pad_id, np.int32)
-    targets = np.full((model_rows, seq_len), pad_id, np.int32)
-    positions = np.zeros((model_rows, seq_len), np.int32)
-    segments = np.zeros((model_rows, seq_len), np.int32)
+    tokens = np.full((model_rows, width), pad_id, np.int32)
+    targets = np.full((model_rows, width), pad_id, np.int32)
+    positions = np.zeros((model_rows, width), np.int32)
+    segments = np.zeros((model_rows, width), np.int32)
     loss_mask = np.zeros((rows, seq_len), np.float32)
     blogp = np.zeros((rows, seq_len), np.float32)
     adv = np.zeros((rows,), np.float32)
     zvs = np.zeros((rows,), np.float32)
-    unpack = np.full((rows, seq_len), model_rows * seq_len, np.int32) if pack else None
+    unpack = np.full((rows, seq_len), model_rows * width, np.int32) if pack else None
     routed = None
     if moe_shape is not None:
-        routed = np.full((model_rows, seq_len, *moe_shape), -1, np.int32)
+        routed = np.full((model_rows, width, *moe_shape), -1, np.int32)
     for row, i in enumerate(order):
         if i >= len(lengths):
             continue
@@ -165,7 +173,7 @@ def pack_sequences(
         positions[mrow, cols] = np.arange(n_in)
         segments[mrow, cols] = 1 + int(np.max(segments[mrow])) if pack else 1
         if unpack is not None:
-            unpack[row, :n_in] = mrow * seq_len + col + np.arange(n_in)
+            unpack[row, :n_in] = mrow * width + col + np.arange(n_in)
         # Target t is response token (t + 1 - len(p)); it is a response token when t >= len(p) - 1.
         loss_mask[row, len(p) - 1 : n_in] = 1.0
         blogp[row, len(p) - 1 : n_in] = np.asarray(behaviour_logps[i], np.float32)[: len(r)]

@@ -177,8 +177,8 @@ class Learner:
         logged) on the first call with the batch's shape, traced under the logical-axis rules;
         unpacked batches keep one shape (one compile), packed ones a few (`batch.PACK_BUCKETS`)."""
         batch = args[1]
-        if batch.tokens.shape[0] != self.rows_per_update:
-            name = f"{name}_{batch.tokens.shape[0]}rows"
+        if batch.unpack is not None:
+            name = f"{name}_{batch.tokens.shape[0]}x{batch.tokens.shape[1]}"
         exe = self._compiled.get(name)
         if exe is None:
             start = time.time()
@@ -207,6 +207,7 @@ class Learner:
             n_shards=self.n_data_shards,
             moe_shape=self.moe_shape,
             pack=self.config.train.pack,
+            pack_len=self.config.train.pack_len,
         )
 
     def minibatches(self, groups: Sequence[RolloutGroup],
