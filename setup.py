@@ -36,6 +36,7 @@ EXTRAS = {
         "pytest==9.2.0",
         "pytest-xdist==3.8.0",
         "hypothesis==6.170.17",
+        "portpicker==1.6.0",  # free ports for the two-process jax.distributed tests
         "ruff==0.17.6",
         "torch==2.13.0",  # the CPU build on this machine's disk; see README
         "transformers==5.24.0",

@@ -130,7 +130,7 @@ class Learner:
             )
             for fused in (False, True)
         )
-        self._compiled: dict[str, object] = {}
+        self._compiled: dict[tuple, object] = {}  # (name, model-side batch shape) -> executable
         self.memory_report: dict[str, dict[str, int]] = {}  # per compiled update step
 
     def set_anchor(self, prompts: Sequence[dict], tokenizer, seq_len: int) -> None:
@@ -174,20 +174,19 @@ class Learner:
 
     def _run_compiled(self, name: str, fn, *args):
         """`fn(*args)` through its ahead-of-time executable, compiled (and its memory report
-        logged) on the first call with the batch's shape, traced under the logical-axis rules;
-        unpacked batches keep one shape (one compile), packed ones a few (`batch.PACK_BUCKETS`)."""
-        batch = args[1]
-        if batch.unpack is not None:
-            name = f"{name}_{batch.tokens.shape[0]}x{batch.tokens.shape[1]}"
-        exe = self._compiled.get(name)
+        logged) on the first call with the batch's model-side shape, traced under the
+        logical-axis rules; unpacked batches keep one shape (one compile), packed ones a few
+        (`batch.PACK_BUCKETS`). `memory_report[name]` is that of the latest shape compiled."""
+        key = (name, args[1].tokens.shape)
+        exe = self._compiled.get(key)
         if exe is None:
             start = time.time()
             with sharding.activation_sharding(self.mesh, self.rules):
                 exe = fn.lower(*args).compile()
-            self._compiled[name] = exe
+            self._compiled[key] = exe
             self.memory_report[name] = report = memory_report(exe)
-            logging.info("compiled %s in %.1f s; memory (bytes): %s", name,
-                         time.time() - start, report or "not reported by this backend")
+            logging.info("compiled %s for %s rows x %s tokens in %.1f s; memory (bytes): %s", name,
+                         *key[1], time.time() - start, report or "not reported by this backend")
         return exe(*args)
 
     def _example_batch(self) -> RLBatch:
