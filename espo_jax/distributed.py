@@ -210,9 +210,8 @@ def put_batch(host_tree: Any, sharding: Sharding) -> Any:
         return jax.device_put(host_tree, sharding)
 
     def put(x):
-        x = np.asarray(x)
-        local = x[process_rows(sharding, x.shape[0])]
-        return jax.make_array_from_process_local_data(sharding, local, x.shape)
+        n = np.shape(x)[0]
+        return global_from_local(np.asarray(x)[process_rows(sharding, n)], sharding, n)
 
     return jax.tree.map(put, host_tree)
 

@@ -19,7 +19,8 @@ medians of repeats after warm-up, compile / first-call time reported apart:
     by a callback from `on_step_begin` to `on_step_end` (generation, reward, loss, backward,
     optimizer).
 (b) Generation: 64 sequences x 48 new tokens after 16-token prompts, sampling at temperature 1:
-    `Engine.generate_groups` against `model.generate(do_sample=True)`.
+    `Engine.generate_groups` against `model.generate(do_sample=True)` (`bench.engine`'s, on
+    the weights exported back with `hf_io.save_pretrained`).
 (c) Train step: next-token cross-entropy + router aux loss, forward + backward + AdamW on
     64 x 64 tokens: `jax.jit` step against the same in torch (`bench.model`'s steppers).
 
@@ -41,6 +42,7 @@ import numpy as np
 
 from espo_jax import configs, sharding
 from espo_jax.bench import format_table, median_time
+from espo_jax.bench.engine import _hf_generate
 from espo_jax.bench.model import (
     _jax_stepper,
     _torch_stepper,
@@ -202,32 +204,25 @@ def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[in
 
 
 # ---- the peers ----------------------------------------------------------------------------------
-class StepTimer:
-    """A transformers `TrainerCallback` recording each optimizer step's wall seconds."""
-
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class _Timer(TrainerCallback):
-            def __init__(self):
-                self.seconds: list[float] = []
-                self._t = 0.0
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                self._t = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                self.seconds.append(time.perf_counter() - self._t)
-
-        return _Timer()
-
-
 def trl_grpo_seconds(model_dir: str, prompts: list[str], steps: int, out_dir: str):
     """Per-step seconds of TRL's GRPOTrainer on the workload (first step included)."""
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        """Each optimizer step's wall seconds (generation, reward, loss, backward, update)."""
+
+        def __init__(self):
+            self.seconds: list[float] = []
+            self._t = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self._t)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -251,29 +246,6 @@ def trl_grpo_seconds(model_dir: str, prompts: list[str], steps: int, out_dir: st
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     return timer.seconds, {"trl_threads": torch.get_num_threads()}
-
-
-def hf_generate(model_dir: str, prompts: list[list[int]]):
-    """A blocking generate() of transformers `generate` on the workload (sampling)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.as_tensor(np.array(prompts), dtype=torch.long)
-
-    def generate() -> int:
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=GEN_NEW,
-                                 min_new_tokens=GEN_NEW, pad_token_id=len(SYMBOLS),
-                                 eos_token_id=None)
-        return int(out[:, ids.shape[1]:].numel())
-
-    return generate
-
-
-def _median_after_warmup(seconds: list[float], warmup: int) -> float:
-    return statistics.median(seconds[warmup:])
 
 
 def run(quick: bool) -> dict:
@@ -309,7 +281,7 @@ def run(quick: bool) -> dict:
             "espo_step_s": statistics.median(espo_steps),
             "espo_rollout_s": statistics.median(s["rollout_s"] for s in splits),
             "espo_update_s": statistics.median(s["update_s"] for s in splits),
-            "espo_first_step_s": espo_first, "trl_step_s": _median_after_warmup(trl_secs, 1),
+            "espo_first_step_s": espo_first, "trl_step_s": statistics.median(trl_secs[1:]),
             "trl_first_step_s": trl_secs[0], "espo_steps_s": espo_steps,
             "trl_steps_s": trl_secs[1:], **trl_info,
         }
@@ -318,8 +290,8 @@ def run(quick: bool) -> dict:
 
         # (b) generation
         gen_prompts = [tok.encode(t) for t in prompt_texts(GEN_SEQS, seed=1)]
-        espo_gen, hf_gen = espo_generate(model_config, params, gen_prompts), hf_generate(
-            model_dir, gen_prompts)
+        espo_gen = espo_generate(model_config, params, gen_prompts)
+        hf_gen, _ = _hf_generate(model_config, params, gen_prompts, GEN_NEW)
         t0 = time.perf_counter()
         n_tokens = espo_gen()
         espo_gen_first = time.perf_counter() - t0

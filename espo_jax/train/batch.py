@@ -127,30 +127,30 @@ def pack_sequences(
     width = (pack_len or 2 * seq_len) if pack else seq_len  # model-side row length
     if width < seq_len:
         raise ValueError(f"pack_len {pack_len} is shorter than a sequence row ({seq_len})")
-    # Where each sequence's inputs go on the model side: (model row, first column).
-    place: dict[int, tuple[int, int]] = {}
+    # Where each sequence's inputs go on the model side: (model row, first column, segment id).
+    place: dict[int, tuple[int, int, int]] = {}
     if pack:
-        shard_rows = [fill_rows([lengths[i] - 1 for i in shard], width)
-                      for shard in (
-                          [i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
-                          for d in range(n_shards))]
+        shards = [[i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
+                  for d in range(n_shards)]
+        filled = [fill_rows([lengths[i] - 1 for i in shard], width) for shard in shards]
         most = -(-per_shard * seq_len // width)  # rows of `width` the unpacked tokens fill
         step = max(1, most // PACK_BUCKETS)
-        model_per_shard = min(most, -(-max(1, *map(len, shard_rows)) // step) * step)
-        for d, filled in enumerate(shard_rows):
-            shard = [i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
-            for j, members in enumerate(filled):
+        model_per_shard = min(most, -(-max(1, *map(len, filled)) // step) * step)
+        for d, (shard, shard_rows) in enumerate(zip(shards, filled, strict=True)):
+            for j, members in enumerate(shard_rows):
                 col = 0
-                for m in members:
-                    place[shard[m]] = (d * model_per_shard + j, col)
+                for segment, m in enumerate(members, start=1):
+                    place[shard[m]] = (d * model_per_shard + j, col, segment)
                     col += lengths[shard[m]] - 1
         model_rows = n_shards * model_per_shard
     else:
-        place = {i: (row, 0) for row, i in enumerate(order) if i < len(lengths)}
+        place = {i: (row, 0, 1) for row, i in enumerate(order) if i < len(lengths)}
         model_rows = rows
     tokens = np.full((model_rows, width), pad_id, np.int32)
     targets = np.full((model_rows, width), pad_id, np.int32)
-    positions = np.zeros((model_rows, width), np.int32)
+    # Unpacked rows count positions through their padding too (as they always did).
+    positions = (np.zeros((model_rows, width), np.int32) if pack else
+                 np.broadcast_to(np.arange(width, dtype=np.int32), (model_rows, width)).copy())
     segments = np.zeros((model_rows, width), np.int32)
     loss_mask = np.zeros((rows, seq_len), np.float32)
     blogp = np.zeros((rows, seq_len), np.float32)
@@ -166,12 +166,12 @@ def pack_sequences(
         p, r = np.asarray(prompts[i]), np.asarray(responses[i])
         full = np.concatenate([p, r]).astype(np.int32)
         n_in = len(full) - 1
-        mrow, col = place[i]
+        mrow, col, segment = place[i]
         cols = slice(col, col + n_in)
         tokens[mrow, cols] = full[:-1]
         targets[mrow, cols] = full[1:]
         positions[mrow, cols] = np.arange(n_in)
-        segments[mrow, cols] = 1 + int(np.max(segments[mrow])) if pack else 1
+        segments[mrow, cols] = segment
         if unpack is not None:
             unpack[row, :n_in] = mrow * width + col + np.arange(n_in)
         # Target t is response token (t + 1 - len(p)); it is a response token when t >= len(p) - 1.
@@ -182,8 +182,6 @@ def pack_sequences(
         if routed is not None and routings is not None and routings[i] is not None:
             ri = np.asarray(routings[i])[:n_in].astype(np.int32)
             routed[mrow, col : col + len(ri)] = ri
-    if not pack:  # padding columns keep counting positions (as an unpacked row always did)
-        positions[:] = np.arange(seq_len, dtype=np.int32)
     return RLBatch(
         tokens=tokens,
         positions=positions,
