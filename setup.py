@@ -29,6 +29,7 @@ INSTALL_REQUIRES = [
     "matplotlib==3.11.2",
     "reasoning-gym==0.1.25",  # generates the arith_chains problems: a new version, new data
     "math-verify==0.9.0",  # decides math_jsonl rewards
+    "jinja2==3.1.6",  # Hugging Face chat templates
 ]
 
 EXTRAS = {
@@ -40,6 +41,7 @@ EXTRAS = {
         "ruff==0.17.6",
         "torch==2.13.0",  # the CPU build on this machine's disk; see README
         "transformers==5.24.0",
+        "gguf==0.19.0",  # transformers reads GGUF checkpoints through it (espo_jax.models.gguf)
         # `bench peers`: TRL's GRPOTrainer on the same workload (with the versions it pulls).
         "trl==1.16.0",
         "accelerate==1.15.0",

@@ -2,11 +2,15 @@
 `tokenizer.json` files (through `tokenizers`) for real models.
 
 Both expose the same small interface: `encode(text) -> list[int]`, `decode(ids) -> str`,
-`vocab_size`, and the ids `pad_id`, `bos_id`, `eos_id`.
+`vocab_size`, the ids `pad_id`, `bos_id`, `eos_id`, and `apply_chat_template(messages)`: the
+Hugging Face chat template of a tokenizer directory (`chat_template.jinja`, or `chat_template` in
+`tokenizer_config.json`), rendered as transformers renders it (sandboxed Jinja, trimmed blocks);
+the character tokenizer joins the message contents.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import string
@@ -66,6 +70,11 @@ class CharTokenizer:
             out.append(self._chars[i - len(_SPECIALS)])
         return "".join(out)
 
+    def apply_chat_template(self, messages: Sequence[dict], *,
+                            add_generation_prompt: bool = True) -> str:
+        """No template: the messages' contents, joined (synthetic tasks)."""
+        return "".join(str(m["content"]) for m in messages)
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (file or model directory) through `tokenizers`.
@@ -100,6 +109,8 @@ class HFTokenizer:
                     return i
             return -1
 
+        self.chat_template = _chat_template(os.path.dirname(path))
+        self._special_names = tok_config
         self.eos_id = find("eos", eos, ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>"))
         self.bos_id = find("bos", bos, ("<s>", "<bos>"))
         self.pad_id = find("pad", pad, ("<|endoftext|>", "<pad>", "</s>"))
@@ -123,6 +134,63 @@ class HFTokenizer:
             ids = ids[: ids.index(self.eos_id)]
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def apply_chat_template(self, messages: Sequence[dict], *,
+                            add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` (`[{"role": ..., "content": ...}]`) under the
+        directory's chat template, ending with the assistant header when
+        `add_generation_prompt`. A directory without a template is an error."""
+        if self.chat_template is None:
+            raise ValueError("HFTokenizer: this tokenizer has no chat template (no "
+                             "chat_template.jinja and no chat_template in tokenizer_config.json)"
+                             "; give prompts as text")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', "
+                                 f"got {m!r}")
+        specials = {f"{k}_token": v for k, v in self._special_names.items()}
+        return _compiled_template(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **specials)
+
+
+def _chat_template(directory: str) -> str | None:
+    """The chat template of a tokenizer directory: `chat_template.jinja` (transformers 5), else
+    `chat_template` of `tokenizer_config.json` (a string, or the one named "default")."""
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja) as f:
+            return f.read()
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.exists(config_path):
+        return None
+    with open(config_path) as f:
+        template = json.load(f).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return template or None
+
+
+@functools.cache
+def _compiled_template(template: str):
+    """The template compiled as transformers compiles chat templates: a sandboxed environment
+    with trimmed blocks, `raise_exception`, an unescaped `tojson` and `strftime_now`."""
+    import datetime
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
 
 def _special_tokens(config_path: str) -> dict[str, str]:
     """{"pad"|"bos"|"eos": token} from a Hugging Face tokenizer_config.json, if it exists."""
@@ -131,7 +199,7 @@ def _special_tokens(config_path: str) -> dict[str, str]:
     with open(config_path) as f:
         config = json.load(f)
     out = {}
-    for kind in ("pad", "bos", "eos"):
+    for kind in ("pad", "bos", "eos", "unk"):
         token = config.get(f"{kind}_token")
         if isinstance(token, dict):  # older files: {"content": "<|endoftext|>", ...}
             token = token.get("content")

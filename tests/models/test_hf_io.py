@@ -1,9 +1,10 @@
 """Hugging Face interop against real `transformers` models (fp32, eager attention, CPU).
 
-Tiny random Qwen3-MoE / Qwen2-MoE models are built with a fixed torch seed, saved with
-transformers' own `save_pretrained`, read with `hf_io.from_pretrained`, and compared with the
-transformers forward: logits, the top-k expert sets per token and MoE layer, and the
-load-balancing loss. `hf_io.save_pretrained` output is loaded back by transformers.
+Tiny random Qwen3-MoE / Qwen2-MoE models, and dense Qwen3 / Qwen2 / Llama ones, are built with
+a fixed torch seed, saved with transformers' own `save_pretrained`, read with
+`hf_io.from_pretrained`, and compared with the transformers forward: logits, the top-k expert
+sets per token and MoE layer, and the load-balancing loss. `hf_io.save_pretrained` output is
+loaded back by transformers.
 """
 
 import functools
@@ -17,7 +18,14 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as torch_save_file
-from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from espo_jax.models import forward, hf_io, init_params
 
@@ -38,7 +46,16 @@ CASES = {
     "qwen2_shared": (Qwen2MoeConfig, dict(num_key_value_heads=2, norm_topk_prob=False,
                                           shared_expert_intermediate_size=24,
                                           decoder_sparse_step=2, qkv_bias=True)),
+    # Dense Qwen3: q/k norm, GQA, head_dim apart from hidden / heads.
+    "qwen3_dense": (Qwen3Config, dict(num_key_value_heads=2, head_dim=12)),
+    # Dense Qwen2: q/k/v bias, no q/k norm.
+    "qwen2_dense": (Qwen2Config, dict(num_key_value_heads=2)),
+    # Llama as SmolLM2 has it: GQA, tied embeddings, no biases, rope theta 1e5.
+    "llama_tied": (LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default",
+                                                      "rope_theta": 100000.0})),
 }
+DENSE_CASES = ("qwen3_dense", "qwen2_dense", "llama_tied")
 
 
 def _randomize(model: torch.nn.Module) -> None:
@@ -58,7 +75,11 @@ def _randomize(model: torch.nn.Module) -> None:
 def _hf_dir(case: str, root: str) -> str:
     cls, overrides = CASES[case]
     torch.manual_seed(sum(map(ord, case)))
-    config = cls(**_COMMON, **overrides)
+    common = dict(_COMMON)
+    if case in DENSE_CASES:
+        for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok"):
+            common.pop(key)
+    config = cls(**(common | overrides))
     from transformers import AutoModelForCausalLM as Auto
 
     model = Auto.from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -82,8 +103,9 @@ def _hf_forward(path: str):
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
                                                  dtype=torch.float32)
     model.eval()
+    moe = {} if model.config.model_type in hf_io.DENSE else {"output_router_logits": True}
     with torch.no_grad():
-        out = model(torch.as_tensor(_tokens()), output_router_logits=True)
+        out = model(torch.as_tensor(_tokens()), **moe)
     return model, out
 
 
@@ -108,6 +130,9 @@ def test_logits_and_routing_match_transformers(root, case):
     out = _jax_forward(config)(params, _tokens())
 
     np.testing.assert_allclose(np.asarray(out.logits), hf_out.logits.numpy(), atol=1e-4, rtol=0)
+    if case in DENSE_CASES:
+        assert config.n_moe_layers == 0 and out.routed_experts.shape[2] == 0
+        return
     hf_router = [r.numpy() for r in hf_out.router_logits]  # per MoE layer, [B*T, E]
     assert len(hf_router) == config.n_moe_layers == len(out.router_logits)
     k = config.top_k
@@ -141,7 +166,7 @@ def test_config_mapping(root):
     jax.tree.map(lambda e, p: np.testing.assert_equal(e.shape, p.shape), expected, params)
 
 
-@pytest.mark.parametrize("case", ["qwen3_gqa_norm", "qwen2_shared"])
+@pytest.mark.parametrize("case", ["qwen3_gqa_norm", "qwen2_shared", *DENSE_CASES])
 def test_save_pretrained_loads_in_transformers(root, tmp_path, case):
     src = _hf_dir(case, root)
     config, params = hf_io.from_pretrained(src)
@@ -150,8 +175,10 @@ def test_save_pretrained_loads_in_transformers(root, tmp_path, case):
     with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
         names = set(f.keys())
     # Per-expert names (vLLM's layout), 6 experts x 3 projections per MoE layer.
-    assert "model.layers.1.mlp.experts.5.down_proj.weight" in names
+    assert ("model.layers.1.mlp.experts.5.down_proj.weight" in names) == (case not in DENSE_CASES)
     assert sum(".mlp.experts." in n for n in names) == 6 * 3 * config.n_moe_layers
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == CASES[case][0].model_type  # the same family
     model, info = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -237,9 +264,18 @@ def test_clear_errors(root, tmp_path):
     bad = _edit_checkpoint(src, tmp_path / "shape", wrong_shape)
     with pytest.raises(ValueError, match=r"final_norm/scale shape \(31,\); config implies \(32,\)"):
         hf_io.from_pretrained(bad)
-    bad = _edit_checkpoint(src, tmp_path / "llama", edit_config=lambda c: c.update(
-        model_type="llama", architectures=["LlamaForCausalLM"]))
-    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+    bad = _edit_checkpoint(src, tmp_path / "mistral", edit_config=lambda c: c.update(
+        model_type="mistral", architectures=["MistralForCausalLM"]))
+    with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
+        hf_io.from_pretrained(bad)
+    llama = _hf_dir("llama_tied", root)
+    bad = _edit_checkpoint(llama, tmp_path / "llama3", edit_config=lambda c: c.update(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}))
+    with pytest.raises(ValueError, match="unsupported RoPE scaling.*llama3"):
+        hf_io.from_pretrained(bad)
+    bad = _edit_checkpoint(llama, tmp_path / "mlpbias", edit_config=lambda c: c.update(
+        mlp_bias=True))
+    with pytest.raises(ValueError, match="llama with mlp_bias=True is not supported"):
         hf_io.from_pretrained(bad)
     # MoE layers {1, 2} of 4: no `moe_every` gives that pattern.
     bad = _edit_checkpoint(src, tmp_path / "pattern", edit_config=lambda c: c.update(

@@ -121,3 +121,54 @@ def test_hf_errors(tmp_path):
 def test_load_tokenizer(tmp_path):
     assert isinstance(load_tokenizer("char"), CharTokenizer)
     assert isinstance(load_tokenizer(str(_bpe(tmp_path))), HFTokenizer)
+
+
+# A Qwen-style template: a default system turn, `raise_exception` on a bad role, generation prompt.
+_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("where", ["jinja_file", "tokenizer_config"])
+def test_chat_template_renders_as_transformers_does(tmp_path, where):
+    from transformers import AutoTokenizer
+
+    _bpe(tmp_path)
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    if where == "jinja_file":
+        (tmp_path / "chat_template.jinja").write_text(_TEMPLATE)
+    else:
+        config["chat_template"] = _TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok, ref = HFTokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(str(tmp_path))
+    for messages in ([{"role": "user", "content": "the cat sat"}],
+                     [{"role": "system", "content": "a dog"},
+                      {"role": "user", "content": "on the mat"},
+                      {"role": "assistant", "content": "the log"},
+                      {"role": "user", "content": "and?"}]):
+        for gen in (True, False):
+            ours = tok.apply_chat_template(messages, add_generation_prompt=gen)
+            assert ours == ref.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=gen)
+            assert ours.endswith("<|im_start|>assistant\n") == gen
+    # The specials in the rendered text are single ids, as transformers tokenizes them.
+    text = tok.apply_chat_template([{"role": "user", "content": "a cat"}])
+    assert tok.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+    assert tok.encode(text).count(1) == 3  # <|im_start|>: system, user, assistant
+    with pytest.raises(Exception, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="chat message 0 must be a dict with 'role' and"):
+        tok.apply_chat_template(["the cat"])
+
+
+def test_no_chat_template_is_an_error_and_char_joins_contents(tmp_path):
+    with pytest.raises(ValueError, match="no chat template"):
+        HFTokenizer(str(_bpe(tmp_path))).apply_chat_template([{"role": "user", "content": "a"}])
+    messages = [{"role": "system", "content": "Q: "}, {"role": "user", "content": "1+2="}]
+    assert CharTokenizer().apply_chat_template(messages) == "Q: 1+2="
