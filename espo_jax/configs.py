@@ -41,15 +41,20 @@ def default_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.preset = "small"  # one of espo_jax.models.config.PRESETS
     c.model.dispatch = "dropless"  # MoE dispatch, one of DISPATCHES
-    c.model.hf_path = ""  # if set, initial weights and config from a Hugging Face directory
+    c.model.hf_path = ""  # initial weights and config: a Hugging Face directory or a .gguf file
     c.model.rope_theta = 0.0  # RoPE base; 0 keeps the preset's (Qwen3's 1e6)
     c.model.aux_loss_coef = -1.0  # load-balancing loss weight; < 0 keeps the preset's (1e-3)
     c.model.remat = False  # recompute each block's activations in the backward pass
     c.model.attention_chunk = 0  # > 0: attention over query chunks of this many tokens (memory)
 
-    c.tokenizer = "char"  # "char" or a path to a Hugging Face tokenizer.json
+    c.tokenizer = "char"  # "char", a Hugging Face tokenizer path, or "model" (hf_path's own)
 
-    c.data = ml_collections.ConfigDict()
+    # What the run learns (espo_jax/tasks.py): "" (the built-in data.name), "arith_chains",
+    # "math_jsonl", "reasoning_gym:NAME", "files", or "package.module:function" of your own.
+    c.task = ""
+    c.task_args = "{}"  # JSON object: keyword arguments of the task function
+
+    c.data = ml_collections.ConfigDict()  # the built-in tasks
     c.data.name = "arith_chains"  # TFDS builder: "arith_chains" or "math_jsonl"
     c.data.data_dir = ""  # "" -> WORKDIR/data
     c.data.train_levels = (1, 2, 3, 4, 5)  # difficulty levels RL trains on
@@ -158,6 +163,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 25  # RL steps between held-out evaluations (0: only at start and end)
     c.eval.num_prompts = 256  # held-out prompts (greedy accuracy)
+    c.eval.split = "test"  # "validation" while choosing hyperparameters; "test" for final numbers
     c.eval.pass_k = 4  # pass@k with sampling at temperature 1 (0: skip)
 
     c.buffer = ml_collections.ConfigDict()
@@ -213,6 +219,40 @@ _BOUNDS = (
 )
 
 
+def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None:
+    """`config.task` has one of the forms of espo_jax/tasks.py and `config.task_args` is a JSON
+    object (nothing is imported or generated here)."""
+    import json
+    import re
+
+    spec = config.task
+    if spec.startswith("reasoning_gym:"):
+        from reasoning_gym.factory import DATASETS
+
+        name = spec.partition(":")[2]
+        if name not in DATASETS:
+            errors.append(f"config.task={spec!r}: reasoning-gym has no dataset {name!r} (e.g. "
+                          f"{', '.join(sorted(DATASETS)[:6])}, ...)")
+    elif spec not in ("", "arith_chains", "math_jsonl", "files") and not re.fullmatch(
+            r"([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*", spec):
+        errors.append(f"config.task={spec!r} is not '' / 'arith_chains' / 'math_jsonl' / "
+                      "'files' / 'reasoning_gym:NAME' / 'package.module:function' / "
+                      "'path/to/file.py:function'")
+    try:
+        args = json.loads(config.task_args or "{}")
+    except json.JSONDecodeError as e:
+        errors.append(f"config.task_args must be a JSON object, got {config.task_args!r}: {e}")
+        return
+    if not isinstance(args, dict):
+        errors.append(f"config.task_args must be a JSON object, got {config.task_args!r}")
+    elif args and spec in ("", "arith_chains", "math_jsonl"):
+        errors.append(f"config.task_args={config.task_args!r} given for a built-in task, which "
+                      "reads config.data.* instead")
+    elif spec == "files" and not {"train", "test"} <= set(args):
+        errors.append("config.task='files' needs config.task_args with 'train' and 'test' "
+                      f"paths, got {config.task_args!r}")
+
+
 def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     """Raises ValueError listing every problem, each naming its key and the allowed values."""
     from espo_jax.rl.loss_config import validate_loss_config
@@ -223,6 +263,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     _choice(errors, config, "model.preset", PRESETS)
     _choice(errors, config, "model.dispatch", DISPATCHES)
     _choice(errors, config, "data.name", ("arith_chains", "math_jsonl"))
+    _choice(errors, config, "eval.split", ("validation", "test"))
+    _validate_task(errors, config)
     _choice(errors, config, "rollout.engine", ENGINES)
     _choice(errors, config, "rollout.precision", PRECISIONS)
     _choice(errors, config, "advantage.name", ADVANTAGES)
@@ -251,11 +293,12 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     if config.model.rope_theta < 0:
         errors.append(f"config.model.rope_theta must be >= 0 (0: the preset's), got "
                       f"{config.model.rope_theta}")
+    task = config.task or config.data.name
     if config.zve.tie_break.wrong_score == "step_credit" and (
-            config.data.name != "arith_chains" or not config.zve.tie_break.enabled):
+            task != "arith_chains" or not config.zve.tie_break.enabled):
         errors.append("config.zve.tie_break.wrong_score='step_credit' needs worked solutions to "
-                      "score steps against (data.name='arith_chains') and stage 2 on "
-                      f"(zve.tie_break.enabled); got data.name={config.data.name!r}, "
+                      "score steps against (task 'arith_chains') and stage 2 on "
+                      f"(zve.tie_break.enabled); got task {task!r}, "
                       f"enabled={config.zve.tie_break.enabled}")
     if config.warmstart.max_seconds < 0:
         errors.append(f"config.warmstart.max_seconds must be >= 0 (0: no limit), got "
@@ -271,7 +314,7 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
         errors.append("config.rollout.engine='vllm' with config.mode='train' needs "
                       "config.train.loop='async', got 'sync': the single-process loop samples "
                       "with the embedded JAX engine; vLLM runs in rollout worker processes")
-    if config.data.name == "arith_chains":
+    if task == "arith_chains":
         n_levels = len(config.data.levels)
         for key in ("data.train_levels", "data.eval_levels", "warmstart.levels"):
             bad = [lv for lv in _get(config, key) if not 1 <= lv <= n_levels]

@@ -29,9 +29,10 @@ class RunSetup:
     tokenizer: object
     mesh: jax.sharding.Mesh
     rules: sharding.Rules  # config.mesh.rules: logical axis names -> mesh axes
+    task: tasks.Task  # config.task: its reward and raw prompt splits
     train_prompts: Sequence[dict]  # RL prompts (all train levels)
     warm_prompts: Sequence[dict]  # warm-start prompts (the easy levels)
-    eval_prompts: Sequence[dict]  # held-out prompts
+    eval_prompts: Sequence[dict]  # held-out prompts of config.eval.split
     hf_params: dict | None = None  # initial weights from a Hugging Face directory
 
 
@@ -51,14 +52,28 @@ def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
 
 
 def prompt_sets(config: ml_collections.ConfigDict, workdir: str, tokenizer
-                ) -> tuple[Sequence[dict], Sequence[dict], list[dict]]:
-    """(RL pool, warm-start prompts, held-out evaluation prompts) of a run: the task's sources,
-    the RL pool cut to `data.rl_prompts` and the evaluation set to `eval.num_prompts`, spread
-    over levels. Every worker and the learner see the same lists."""
-    train, warm, test = tasks.prompt_sources(config, workdir, tokenizer)
+                ) -> tuple[tasks.Task, Sequence[dict], Sequence[dict], list[dict]]:
+    """(task, RL pool, warm-start prompts, evaluation prompts) of a run: the task's sources, the
+    RL pool cut to `data.rl_prompts`, the evaluation set (split `eval.split`) to
+    `eval.num_prompts`, spread over levels. Every worker and the learner see the same lists."""
+    task, splits = tasks.prompt_sources(config, workdir, tokenizer)
+    train = splits["train"]
+    if not len(train):
+        raise ValueError(f"task {task.name!r} has no train prompts")
     if config.data.rl_prompts:
         train = balanced_subset(train, config.data.rl_prompts, seed=config.seed)
-    return train, warm, balanced_subset(test, config.eval.num_prompts, seed=config.seed)
+    held_out = splits[config.eval.split]
+    if not len(held_out):
+        raise ValueError(f"task {task.name!r} has no {config.eval.split} prompts "
+                         f"(config.eval.split={config.eval.split!r})")
+    if config.warmstart.steps > 0 or config.train.anchor_coef > 0:
+        if not all(splits["warm"][i]["solution"] for i in range(min(len(splits["warm"]), 8))):
+            raise ValueError(f"task {task.name!r}: warmstart.steps > 0 or train.anchor_coef > 0 "
+                             "needs worked solutions (a 'solution' field) in its warm-start "
+                             "prompts; set --config.warmstart.steps=0 --config.train.anchor_coef"
+                             "=0")
+    eval_prompts = balanced_subset(held_out, config.eval.num_prompts, seed=config.seed)
+    return task, train, splits["warm"], eval_prompts
 
 
 def worker_share(prompts: Sequence[dict], index: int, num_workers: int) -> list[dict]:
@@ -90,12 +105,33 @@ def runtime_overrides(config: ml_collections.ConfigDict) -> dict:
     return overrides
 
 
+def model_dir(config: ml_collections.ConfigDict) -> str:
+    """The Hugging Face directory of `config.model.hf_path`: itself, or for a `.gguf` file its
+    converted copy in the cache (converted on first use; `espo_jax.models.gguf`)."""
+    path = config.model.hf_path
+    if path.endswith(".gguf"):
+        from espo_jax.models import gguf
+
+        return gguf.cached_convert(path)
+    return path
+
+
+def load_run_tokenizer(config: ml_collections.ConfigDict):
+    """`config.tokenizer`: "char", a tokenizer path, or "model" for the tokenizer of the model's
+    own directory (`model_dir`)."""
+    if config.tokenizer == "model":
+        if not config.model.hf_path:
+            raise ValueError("config.tokenizer='model' needs config.model.hf_path")
+        return load_tokenizer(model_dir(config))
+    return load_tokenizer(config.tokenizer)
+
+
 def load_model(config: ml_collections.ConfigDict) -> tuple[ModelConfig, dict | None]:
     """(model config, Hugging Face weights or None): `config.model.hf_path`'s architecture and
     weights when set, else the preset's architecture; the run's `runtime_overrides` either way."""
     if not config.model.hf_path:
         return preset_model_config(config), None
-    model_config, hf_params = hf_io.from_pretrained(config.model.hf_path)
+    model_config, hf_params = hf_io.from_pretrained(model_dir(config))
     return model_config.replace(**runtime_overrides(config)), hf_params
 
 
@@ -104,14 +140,14 @@ def model_architecture(config: ml_collections.ConfigDict) -> ModelConfig:
     worker checks the published versions against it)."""
     if not config.model.hf_path:
         return preset_model_config(config)
-    with open(os.path.join(config.model.hf_path, "config.json")) as f:
+    with open(os.path.join(model_dir(config), "config.json")) as f:
         return hf_io.config_from_hf(json.load(f)).replace(**runtime_overrides(config))
 
 
 def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     """Everything but the train state. Validates shapes (mesh, vocab) before any compile."""
     model_config, hf_params = load_model(config)
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_run_tokenizer(config)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
                          f"is {model_config.vocab_size}")
@@ -124,8 +160,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     sharding.validate_divisibility(model_config, mesh, rules)
     if not distributed.is_primary():  # process 0 prepares the TFDS data, the others wait
         distributed.sync("prompt_sources")
-    train, warm, eval_prompts = prompt_sets(config, workdir, tokenizer)
+    task, train, warm, eval_prompts = prompt_sets(config, workdir, tokenizer)
     if distributed.is_primary():
         distributed.sync("prompt_sources")
-    return RunSetup(config, workdir, model_config, tokenizer, mesh, rules, train, warm,
+    return RunSetup(config, workdir, model_config, tokenizer, mesh, rules, task, train, warm,
                     eval_prompts, hf_params)

@@ -1,84 +1,442 @@
-"""The task wiring of a run: prompt sources, the outcome verifier, the RL reward function and
-the detokeniser, chosen by `config.data.name` (and `config.zve.tie_break.wrong_score`).
+"""Tasks: what a run learns from. A task is prompt splits and a reward function.
 
-Neutral ground: the learner's loops and the rollout workers both build their rewards here, so a
+`config.task` names one:
+
+    ""  or "arith_chains" / "math_jsonl"   the built-in TFDS tasks (`config.data.*`; "" follows
+                                           `config.data.name`)
+    "reasoning_gym:NAME"                   a reasoning-gym dataset, with its generator and scorer
+    "files"                                JSONL / Parquet prompt files with a chosen reward
+    "package.module:function"              your own: `function(**task_args)` returns a `Task`
+    "path/to/file.py:function"             the same, from a file (experiments/my_task.py)
+
+`config.task_args` is a JSON object of keyword arguments for the task function (see
+`reasoning_gym_task` and `prompt_files` for theirs).
+
+A prompt is a dict with `prompt` (text, or chat messages `[{"role", "content"}]` that go through
+the tokenizer's chat template) and whatever fields the reward needs; `prompt_id` (default
+"{split}/{index}"), `level` (default 0) and `solution` (a worked solution for the supervised warm
+start and the anchor; default "") are optional. The reward maps `(prompt, completion text)` to a
+bool (the outcome; reward 1 or 0), a number (the reward; outcome = reward > 0) or a dict with
+"reward" and "outcome" and optional numeric components. The outcome is what MS-ZVE filters on;
+the reward may be shaped. It runs in the reward pool's processes, so it must be importable by
+name (defined at module level); a reward that raises or times out is counted, logged with the
+task, the prompt id and its traceback, and stops the run past `rollout.max_failed_reward_frac`.
+
+Neutral ground: the learner's loops and the rollout workers both build their task here, so a
 worker scores its responses exactly as the single-process loop does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
+import json
 import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.rewards.pool import normalize_reward
 from espo_jax.rewards.verifiers import arith_step_credit, verify_arith, verify_math
 
 _CHAR = CharTokenizer()
+SPLITS = ("train", "validation", "test")
+SPLIT_SEED_STRIDE = 1_000_003  # reasoning-gym seeds of a task's splits lie this far apart
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Prompt splits and a reward; see the module doc for the prompt and reward contracts.
+
+    `warm` are the prompts of the supervised warm start (default: `train`); `validation` is
+    where hyperparameters are chosen (`--config.eval.split=validation`), `test` is read for
+    final numbers only.
+    """
+
+    reward: Callable[[Mapping, str], Any]
+    train: Sequence[Mapping]
+    test: Sequence[Mapping]
+    validation: Sequence[Mapping] = ()
+    warm: Sequence[Mapping] | None = None
+    name: str = ""
+
+    def split(self, name: str) -> Sequence[Mapping]:
+        if name not in SPLITS:
+            raise ValueError(f"task {self.name!r}: no split {name!r}; splits are {SPLITS}")
+        prompts = getattr(self, name)
+        if not len(prompts):
+            raise ValueError(f"task {self.name!r} has no {name} prompts")
+        return prompts
+
+
+# ---- rewards: (prompt, text) -> outcome / reward; module level, so the pool can pickle them --
+def arith_reward(prompt: Mapping, text: str) -> bool:
+    return verify_arith(text, prompt["answer"])
+
+
+def arith_credit_reward(prompt: Mapping, text: str) -> dict:
+    """The arith outcome plus `step_credit` (the worked solution's steps reproduced as a
+    prefix), for `zve.tie_break.wrong_score="step_credit"`."""
+    ok = verify_arith(text, prompt["answer"])
+    return {"reward": float(ok), "outcome": ok,
+            "step_credit": arith_step_credit(text, prompt["solution"])}
+
+
+def math_reward(prompt: Mapping, text: str) -> bool:
+    return verify_math(text, prompt["answer"], timeout_s=5.0)
+
+
+def exact_reward(prompt: Mapping, text: str) -> bool:
+    """The completion's last non-empty line equals `prompt["answer"]` (stripped)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return bool(lines) and lines[-1] == str(prompt["answer"]).strip()
+
+
+NAMED_REWARDS = {"arith": arith_reward, "math": math_reward, "exact": exact_reward}
+
+
+class PromptReward:
+    """The reward pool's `(text, target)` contract over a task reward `(prompt, text)`: the
+    target of a response is its prompt dict (without token ids)."""
+
+    def __init__(self, fn: Callable[[Mapping, str], Any]):
+        self.fn = fn
+
+    def __call__(self, text: str, prompt: Mapping) -> Any:
+        return self.fn(prompt, text)
+
+
+def reward_target(prompt: Mapping) -> dict:
+    """What a prompt's reward sees in the pool: the prompt dict without its token ids."""
+    return {k: v for k, v in prompt.items() if k != "tokens"}
+
+
+def outcome_fn(task: Task) -> Callable[[Mapping, str], bool]:
+    """`(prompt, text) -> outcome` of held-out evaluation, in this process; a reward that raises
+    is an error naming the task and the prompt."""
+
+    def outcome(prompt: Mapping, text: str) -> bool:
+        try:
+            return normalize_reward(task.reward(reward_target(prompt), text))[1]
+        except Exception as e:
+            raise RuntimeError(f"task {task.name!r}: the reward failed on evaluation prompt "
+                               f"{prompt.get('prompt_id')!r}: {type(e).__name__}: {e}") from e
+
+    return outcome
+
+
+# ---- built-in tasks ----------------------------------------------------------------------------
+def data_dir(config, workdir: str) -> str:
+    return config.data.data_dir or os.path.join(workdir, "data")
+
+
+def arith_chains_task(config, workdir: str, tokenizer) -> Task:
+    """`arith_chains` (TFDS, prepared under `data_dir`): RL on `data.train_levels`, warm start
+    on `warmstart.levels`, test on `data.eval_levels`."""
+    from espo_jax.data import prompts as prompts_lib
+    from espo_jax.data.arith_chains import arith_chains_config
+
+    dcfg = arith_chains_config(levels=tuple(tuple(lv) for lv in config.data.levels),
+                               train_per_level=config.data.train_per_level,
+                               test_per_level=config.data.test_per_level, seed=config.seed,
+                               index_hints=config.data.index_hints)
+    src = functools.partial(prompts_lib.arith_chains_source, data_dir(config, workdir),
+                            tokenizer=tokenizer, config=dcfg)
+    credit = config.zve.tie_break.wrong_score == "step_credit"
+    return Task(reward=arith_credit_reward if credit else arith_reward,
+                train=src("train", levels=config.data.train_levels),
+                test=src("test", levels=config.data.eval_levels),
+                warm=src("train", levels=config.warmstart.levels), name="arith_chains")
+
+
+def math_jsonl_task(config, workdir: str, tokenizer) -> Task:
+    """`math_jsonl` (TFDS over `data.jsonl_train` / `data.jsonl_test`), math-verify rewards."""
+    from espo_jax.data import prompts as prompts_lib
+    from espo_jax.data.math_jsonl import math_jsonl_config
+
+    dcfg = math_jsonl_config(train=config.data.jsonl_train, test=config.data.jsonl_test)
+    kw = dict(config=dcfg, max_prompt_tokens=config.rollout.max_prompt_len)
+    root = data_dir(config, workdir)
+    return Task(reward=math_reward, train=prompts_lib.math_jsonl_source(root, "train", tokenizer,
+                                                                        **kw),
+                test=prompts_lib.math_jsonl_source(root, "test", tokenizer, **kw),
+                name="math_jsonl")
+
+
+class ReasoningGymReward:
+    """A reasoning-gym scorer as a task reward: the answer is the text inside the last
+    `<answer>...</answer>` tags, else the completion's last non-empty line; the reward is the
+    scorer's value in [0, 1] (partial credit where the dataset gives it), the outcome whether
+    it is 1. Picklable (by dataset name), so it runs in the reward pool's processes."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @functools.cached_property
+    def _score(self):
+        import reasoning_gym
+
+        return reasoning_gym.get_score_answer_fn(self.name)
+
+    def __getstate__(self):
+        return {"name": self.name}
+
+    def __call__(self, prompt: Mapping, text: str) -> dict:
+        from reasoning_gym.utils import extract_answer
+
+        answer = extract_answer(text)
+        if answer is None:
+            lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+            answer = lines[-1] if lines else None
+        score = float(self._score(answer, prompt["entry"]))
+        return {"reward": score, "outcome": score >= 1.0}
+
+
+def reasoning_gym_task(name: str, *, size: int = 2000, validation_size: int = 200,
+                       test_size: int = 200, seed: int = 0, system_prompt: str = "default",
+                       level_key: str = "", **dataset_kwargs) -> Task:
+    """A reasoning-gym dataset `name` (its options, e.g. `min_terms`, in `dataset_kwargs`):
+    train, validation and test generated with seeds `seed`, `seed + SPLIT_SEED_STRIDE`,
+    `seed + 2 * SPLIT_SEED_STRIDE` (reasoning-gym draws item i from seed + i, so nearby seeds
+    would give the same items shifted); questions that appear in train are dropped from
+    validation and test, so the splits are disjoint.
+    Prompts are chat messages: a system turn (`system_prompt`, a key of reasoning-gym's
+    SYSTEM_PROMPTS, or "" for none) and the question. `level_key` names the metadata field
+    used as the prompt's level (e.g. "num_terms"), for per-level evaluation and curricula."""
+    import reasoning_gym
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    if system_prompt and system_prompt not in SYSTEM_PROMPTS:
+        raise ValueError(f"reasoning_gym:{name}: system_prompt {system_prompt!r} is not one of "
+                         f"{sorted(SYSTEM_PROMPTS)} (or '' for none)")
+    system = [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]}] if system_prompt \
+        else []
+    seen: set[str] = set()
+    splits = {}
+    for offset, (split, n) in enumerate((("train", size), ("validation", validation_size),
+                                         ("test", test_size))):
+        if n <= 0:
+            splits[split] = []
+            continue
+        if n > SPLIT_SEED_STRIDE:
+            raise ValueError(f"reasoning_gym:{name}: a split of {n} > {SPLIT_SEED_STRIDE} "
+                             "prompts would overlap the next split's seeds")
+        data = reasoning_gym.create_dataset(name, size=n, seed=seed + offset * SPLIT_SEED_STRIDE,
+                                            **dataset_kwargs)
+        out = []
+        for i in range(n):
+            entry = data[i]
+            if split != "train" and entry["question"] in seen:
+                continue
+            if split == "train":
+                seen.add(entry["question"])
+            level = entry["metadata"].get(level_key, 0) if level_key else 0
+            if not isinstance(level, int):
+                raise ValueError(f"reasoning_gym:{name}: metadata {level_key!r} is "
+                                 f"{level!r}, not an integer level")
+            out.append({"prompt_id": f"{name}/{split}/{i}", "level": level,
+                        "prompt": system + [{"role": "user", "content": entry["question"]}],
+                        "answer": str(entry["answer"]), "entry": entry})
+        splits[split] = out
+    return Task(reward=ReasoningGymReward(name), name=f"reasoning_gym:{name}", **splits)
+
+
+def _read_prompt_file(path: str) -> list[dict]:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON object: {e}") from None
+    return rows
+
+
+def prompt_files(*, train: str, test: str, validation: str = "", reward: str = "math",
+                 prompt_key: str = "prompt", template: str = "") -> Task:
+    """Prompts from JSONL (one JSON object per line) or Parquet files, one per split. Each row
+    becomes a prompt dict: its `prompt_key` field is the prompt (text or chat messages; with
+    `template`, `template.format(**row)` is), the other fields stay for the reward. `reward` is
+    "math" (math-verify against `answer`), "exact" (last line equals `answer`), "arith", or a
+    "package.module:function" of your own."""
+    fn = NAMED_REWARDS.get(reward) or _import(reward, "reward")
+    files = (("train", train), ("validation", validation), ("test", test))
+    for split, path in files:
+        if path and not os.path.exists(path):
+            raise FileNotFoundError(f"task files: no {split} file {path}")
+    splits = {}
+    for split, path in files:
+        if not path:
+            splits[split] = []
+            continue
+        out = []
+        for i, row in enumerate(_read_prompt_file(path)):
+            if template:
+                prompt = template.format(**row)
+            elif prompt_key in row:
+                prompt = row[prompt_key]
+            else:
+                raise ValueError(f"{path}: row {i} has no {prompt_key!r} field (fields "
+                                 f"{sorted(row)}); set task_args prompt_key or template")
+            out.append({**row, "prompt": prompt,
+                        "prompt_id": str(row.get("prompt_id", f"{split}/{i}"))})
+        splits[split] = out
+    return Task(reward=fn, name=f"files:{os.path.basename(train)}", **splits)
+
+
+# ---- resolving config.task ---------------------------------------------------------------------
+def _import(spec: str, what: str) -> Callable:
+    """`package.module:function`, or `path/to/file.py:function` (its directory goes on
+    sys.path, so the reward pool's processes and the rollout workers import it by name too)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {spec!r} must be 'package.module:function' or "
+                         "'path/to/file.py:function'")
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise ValueError(f"{what} {spec!r}: no file {module_name}")
+        directory = os.path.dirname(os.path.abspath(module_name))
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+        module_name = os.path.basename(module_name)[:-3]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what} {spec!r}: cannot import {module_name!r} ({e}); is it on "
+                         "PYTHONPATH?") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def task_args(config) -> dict:
+    """`config.task_args` parsed: a JSON object (an error names the key otherwise)."""
+    raw = config.task_args or "{}"
+    try:
+        args = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config.task_args must be a JSON object, got {raw!r}: {e}") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"config.task_args must be a JSON object, got {raw!r}")
+    return args
+
+
+def task_name(config) -> str:
+    return config.task or config.data.name
+
+
+BUILTIN = {"arith_chains": arith_chains_task, "math_jsonl": math_jsonl_task}
+
+
+def load_task(config, workdir: str, tokenizer) -> Task:
+    """The `Task` named by `config.task` (module doc), its prompts not yet tokenised."""
+    spec, args = task_name(config), task_args(config)
+    if spec in BUILTIN:
+        if args:
+            raise ValueError(f"config.task_args {args} given for the built-in task {spec!r}, "
+                             "which reads config.data.* instead")
+        return BUILTIN[spec](config, workdir, tokenizer)
+    if spec.startswith("reasoning_gym:"):
+        task = reasoning_gym_task(spec.partition(":")[2], **{"seed": config.seed, **args})
+    elif spec == "files":
+        task = prompt_files(**args)
+    else:
+        task = _import(spec, "config.task")(**args)
+    if not isinstance(task, Task):
+        raise TypeError(f"config.task {spec!r} returned {type(task).__name__}, not a "
+                        "espo_jax.tasks.Task")
+    return dataclasses.replace(task, name=task.name or spec)
+
+
+# ---- prompts ready for the engine --------------------------------------------------------------
+class TokenizedPrompts(Sequence):
+    """A task's prompt dicts with `tokens` (and `prompt` as the text the model sees), built on
+    access: chat messages go through `tokenizer.apply_chat_template` (no extra bos: the
+    template has its own), text gets `encode(text, add_bos=True)`. Prompts that already carry
+    `tokens` (the built-in TFDS sources) pass through."""
+
+    def __init__(self, prompts: Sequence[Mapping], tokenizer, *, split: str, task: str,
+                 max_prompt_tokens: int):
+        self._prompts, self._tokenizer = prompts, tokenizer
+        self._split, self._task, self._max = split, task, max_prompt_tokens
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        p = self._prompts[i]
+        if "tokens" in p:
+            return dict(p)
+        out = {"prompt_id": f"{self._split}/{i}", "level": 0, "solution": "", **p}
+        prompt = out["prompt"]
+        if isinstance(prompt, str):
+            tokens = self._tokenizer.encode(prompt, add_bos=True)
+        elif isinstance(prompt, Sequence):
+            prompt = self._tokenizer.apply_chat_template(list(prompt))
+            tokens = self._tokenizer.encode(prompt)
+        else:
+            raise TypeError(f"task {self._task!r}: prompt {out['prompt_id']!r} is a "
+                            f"{type(prompt).__name__}; give text or chat messages")
+        if len(tokens) > self._max:
+            raise ValueError(f"task {self._task!r}: prompt {out['prompt_id']!r} has "
+                             f"{len(tokens)} tokens > rollout.max_prompt_len={self._max}")
+        out.update(prompt=prompt, tokens=tokens, level=int(out["level"]),
+                   prompt_id=str(out["prompt_id"]))
+        return out
+
+
+def prompt_sources(config, workdir: str, tokenizer) -> tuple[Task, dict[str, Sequence[dict]]]:
+    """(task, {"train", "warm", "validation", "test": tokenised prompts}); a split the task
+    lacks is empty. Every prompt's length is checked here for tasks given as lists."""
+    task = load_task(config, workdir, tokenizer)
+    limit = config.rollout.max_prompt_len
+    out = {}
+    for split, prompts in (("train", task.train), ("warm", task.warm or task.train),
+                           ("validation", task.validation), ("test", task.test)):
+        tokenized = TokenizedPrompts(prompts, tokenizer, split=split, task=task.name,
+                                     max_prompt_tokens=limit)
+        if isinstance(prompts, list):  # a task's own list: tokenise (and check) every prompt now
+            tokenized = [tokenized[i] for i in range(len(tokenized))]
+        out[split] = tokenized
+    _check_ids(task, out)
+    return task, out
+
+
+def _check_ids(task: Task, splits: dict[str, Sequence[dict]]) -> None:
+    """Prompt ids are the scheduler's keys: two prompts of the train split with one id, or a
+    train id reused in validation or test, is an error naming it (built-in sources are
+    checked by their builders)."""
+    train = splits["train"]
+    if not isinstance(train, list):
+        return
+    ids = [p["prompt_id"] for p in train]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"task {task.name!r}: prompt_id {dup!r} appears twice in train")
+    for split in ("validation", "test"):
+        if isinstance(splits[split], list):
+            shared = set(ids) & {p["prompt_id"] for p in splits[split]}
+            if shared:
+                raise ValueError(f"task {task.name!r}: prompt ids {sorted(shared)[:3]} are in "
+                                 f"both train and {split}")
+
+
+# ---- what the loops and workers use ------------------------------------------------------------
+def reward_fn(task: Task) -> tuple[Callable[[str, Any], Any], Callable[[Mapping], dict]]:
+    """(pool reward function, target of a prompt) for the RL rollouts of `task`."""
+    return PromptReward(task.reward), reward_target
 
 
 def char_decode(ids) -> str:
     """Module-level (picklable) detokeniser for reward-pool processes."""
     return _CHAR.decode(ids, errors="replace")
-
-
-def arith_reward(text: str, answer: str) -> bool:
-    return verify_arith(text, answer)
-
-
-def arith_credit_reward(text: str, target: tuple[str, str]) -> dict:
-    """The arith outcome plus `step_credit` (the worked solution's steps reproduced as a
-    prefix), for `zve.tie_break.wrong_score="step_credit"`; `target` is (answer, solution)."""
-    answer, solution = target
-    ok = verify_arith(text, answer)
-    return {"reward": float(ok), "outcome": ok, "step_credit": arith_step_credit(text, solution)}
-
-
-def verifier(config):
-    """The task's outcome check `(text, answer) -> bool` (held-out evaluation, RL rewards)."""
-    return arith_reward if config.data.name == "arith_chains" else math_reward
-
-
-def reward_fn(config):
-    """(reward function, target of a prompt) of the RL rollouts: the task's verifier on
-    `prompt["answer"]`, or with step credit on `(answer, solution)`."""
-    if config.data.name == "arith_chains" and config.zve.tie_break.wrong_score == "step_credit":
-        return arith_credit_reward, lambda p: (p["answer"], p["solution"])
-    return verifier(config), None
-
-
-def math_reward(text: str, answer: str) -> bool:
-    return verify_math(text, answer, timeout_s=5.0)
-
-
-def data_dir(config, workdir: str) -> str:
-    return config.data.data_dir or os.path.join(workdir, "data")
-
-
-def prompt_sources(config, workdir: str, tokenizer):
-    """(RL train, warm-start, held-out test) prompts of `config.data`: TFDS builders prepared
-    under `data_dir` on first use."""
-    from espo_jax.data import prompts as prompts_lib
-
-    root = data_dir(config, workdir)
-    if config.data.name == "arith_chains":
-        from espo_jax.data.arith_chains import arith_chains_config
-
-        dcfg = arith_chains_config(levels=tuple(tuple(lv) for lv in config.data.levels),
-                                   train_per_level=config.data.train_per_level,
-                                   test_per_level=config.data.test_per_level, seed=config.seed,
-                                   index_hints=config.data.index_hints)
-        src = functools.partial(prompts_lib.arith_chains_source, config=dcfg)
-        train = src(root, "train", tokenizer, levels=config.data.train_levels)
-        warm = src(root, "train", tokenizer, levels=config.warmstart.levels)
-        test = src(root, "test", tokenizer, levels=config.data.eval_levels)
-        return train, warm, test
-    from espo_jax.data.math_jsonl import math_jsonl_config
-
-    dcfg = math_jsonl_config(train=config.data.jsonl_train, test=config.data.jsonl_test)
-    kw = dict(config=dcfg, max_prompt_tokens=config.rollout.max_prompt_len)
-    train = prompts_lib.math_jsonl_source(root, "train", tokenizer, **kw)
-    test = prompts_lib.math_jsonl_source(root, "test", tokenizer, **kw)
-    return train, train, test
 
 
 def decoder(config, tokenizer):

@@ -18,10 +18,12 @@ from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# `*_common.py` files are recipes the experiments share (no `get_config` of their own).
-EXPERIMENTS = sorted(os.path.basename(p)[:-3]
-                     for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
-                     if not p.endswith("_common.py"))
+# `*_common.py` files are recipes the experiments share (no `get_config` of their own); task
+# modules are what a config's `task` names (tests/test_tasks.py runs them).
+TASK_MODULES = {"my_task"}
+EXPERIMENTS = sorted(name for name in (os.path.basename(p)[:-3] for p in glob.glob(
+    os.path.join(REPO, "experiments", "*.py"))) if not name.endswith("_common")
+    and name not in TASK_MODULES)
 ARITH = ("arith_espo", "arith_grpo", "arith_dapo", "arith_gspo")
 REAL_SCALE = {"qwen3_30b_a3b"}  # full size validated and shaped here; its small variant runs
 # The worker layout's experiments: the keys they change from the default (the workers' count and

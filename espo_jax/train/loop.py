@@ -84,7 +84,7 @@ class Run:
         self.ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
         self.eval_engine = _engine(self.setup, "fp32")
         self.decode = tasks.decoder(config, self.setup.tokenizer)
-        self.verify = tasks.verifier(config)
+        self.outcome = tasks.outcome_fn(self.setup.task)
 
     # -- pieces -----------------------------------------------------------------------------
     def evaluate(self, params, prompts=None) -> dict:
@@ -92,7 +92,7 @@ class Run:
             params = distributed.gather_to_host(params)
         self.eval_engine.load_params(params)
         return evaluate(self.eval_engine, prompts or self.setup.eval_prompts, decode=self.decode,
-                        verify=self.verify, pass_k=self.config.eval.pass_k,
+                        outcome=self.outcome, pass_k=self.config.eval.pass_k,
                         rng=jax.random.key(self.config.seed + 1))
 
     def _initial_params(self):
@@ -219,7 +219,7 @@ class SyncRun(Run):
     def __init__(self, config, workdir: str):
         super().__init__(config, workdir)
         self.engine = _engine(self.setup, config.rollout.precision)
-        reward, self.target_fn = tasks.reward_fn(config)
+        reward, self.target_fn = tasks.reward_fn(self.setup.task)
         self.pool = RewardPool(reward, num_workers=config.rollout.reward_workers,
                                timeout_s=config.rollout.reward_timeout_s,
                                detokenize=self.decode)
@@ -251,7 +251,7 @@ class SyncRun(Run):
             groups = generate_scored_groups(
                 self.engine, self.pool, plan, rng=key, policy_version=step,
                 n_experts=n_experts, admission="longest_first", predictor=predictor,
-                target_fn=self.target_fn)
+                target_fn=self.target_fn, task=s.task.name)
             for g in groups:
                 writer.write(g)
                 predictor.observe(g.prompt_id, [r.length for r in g.responses])

@@ -206,7 +206,7 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     for k, v in overrides.items():
         _set(cfg, k, v)
     tok = CharTokenizer()
-    share = run_setup.worker_share(run_setup.prompt_sets(cfg, str(tmp_path), tok)[0], 0, 1)
+    share = run_setup.worker_share(run_setup.prompt_sets(cfg, str(tmp_path), tok)[1], 0, 1)
     status = json.loads((tmp_path / "workers" / "vllm-0.json").read_text())
     assert status["state"] == "done" and status["sampler"] == "vllm-fp32"
     assert status["zve"]["zve/offline_rollouts"] >= len(share)
@@ -223,8 +223,9 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     # Every response scored by the task's reward function, and its outcome the verifier's
     # verdict on the decoded text.
     by_id = {str(p["prompt_id"]): p for p in share}
-    decode, verify = tasks.decoder(cfg, tok), tasks.verifier(cfg)
-    reward_fn, target_fn = tasks.reward_fn(cfg)
+    decode = tasks.decoder(cfg, tok)
+    task = tasks.load_task(cfg, str(tmp_path), tok)
+    reward_fn, target_fn = tasks.reward_fn(task)
     for g in groups:
         prompt = by_id[g.prompt_id]
         assert g.meta["worker"] == "vllm-0" and g.meta["answer"] == str(prompt["answer"])
@@ -233,8 +234,9 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
             assert 1 <= r.length <= 6
             assert r.finish_reason == ("stop" if r.tokens[-1] == tok.eos_id else "length")
             text = decode(r.tokens.tolist())
-            expected = reward_fn(text, target_fn(prompt) if target_fn else prompt["answer"])
-            assert r.outcome is not None and bool(r.outcome) == verify(text, prompt["answer"])
+            expected = reward_fn(text, target_fn(prompt))
+            assert r.outcome is not None
+            assert bool(r.outcome) == tasks.verify_arith(text, prompt["answer"])
             assert r.reward == pytest.approx(float(expected["reward"]))
             assert r.reward_components["step_credit"] == pytest.approx(expected["step_credit"])
 

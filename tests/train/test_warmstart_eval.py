@@ -65,12 +65,12 @@ def test_evaluate_per_level_accuracy_and_pass_at_k(engine):
                 "answer": str(i + 1), "level": 1 + i % 2} for i in range(5)]
     seen = []
 
-    def verify(text, answer):
-        seen.append((text, answer))
-        return answer in ("1", "3")  # "right" exactly for prompts 0 and 2, both level 1
+    def outcome(prompt, text):
+        seen.append((text, prompt["answer"]))
+        return prompt["answer"] in ("1", "3")  # "right" exactly for prompts 0 and 2 (level 1)
 
     decode = lambda ids: TOK.decode(ids, errors="replace")
-    m = evaluate(engine, prompts, decode=decode, verify=verify, pass_k=2,
+    m = evaluate(engine, prompts, decode=decode, outcome=outcome, pass_k=2,
                  rng=jax.random.key(0))
     # Level 1 holds prompts 0, 2, 4 (2 of 3 right), level 2 prompts 1, 3 (none): 2 of 5 overall.
     assert m["eval/accuracy"] == pytest.approx(2 / 5)
@@ -88,5 +88,5 @@ def test_evaluate_per_level_accuracy_and_pass_at_k(engine):
     # Greedy decoding is deterministic: a second evaluation decodes the same texts.
     first = [t for t, _ in seen[:5]]
     seen.clear()
-    evaluate(engine, prompts, decode=decode, verify=verify, pass_k=0)
+    evaluate(engine, prompts, decode=decode, outcome=outcome, pass_k=0)
     assert [t for t, _ in seen] == first
