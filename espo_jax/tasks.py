@@ -33,6 +33,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -165,14 +166,21 @@ def math_jsonl_task(config, workdir: str, tokenizer) -> Task:
                 name="math_jsonl")
 
 
-class ReasoningGymReward:
-    """A reasoning-gym scorer as a task reward: the answer is the text inside the last
-    `<answer>...</answer>` tags, else the completion's last non-empty line; the reward is the
-    scorer's value in [0, 1] (partial credit where the dataset gives it), the outcome whether
-    it is 1. Picklable (by dataset name), so it runs in the reward pool's processes."""
+ANSWER_FORMATS = ("last_line", "last_number")
 
-    def __init__(self, name: str):
-        self.name = name
+
+class ReasoningGymReward:
+    """A reasoning-gym scorer as a task reward. The answer is the text inside the last
+    `<answer>...</answer>` tags, else (`answer_format`) the completion's last non-empty line or
+    its last number; the reward is the scorer's value in [0, 1] (partial credit where the
+    dataset gives it), the outcome whether it is 1. Picklable (by dataset name), so it runs in
+    the reward pool's processes."""
+
+    def __init__(self, name: str, answer_format: str = "last_line"):
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"reasoning_gym:{name}: answer_format {answer_format!r} is not one "
+                             f"of {ANSWER_FORMATS}")
+        self.name, self.answer_format = name, answer_format
 
     @functools.cached_property
     def _score(self):
@@ -181,22 +189,29 @@ class ReasoningGymReward:
         return reasoning_gym.get_score_answer_fn(self.name)
 
     def __getstate__(self):
-        return {"name": self.name}
+        return {"name": self.name, "answer_format": self.answer_format}
 
-    def __call__(self, prompt: Mapping, text: str) -> dict:
+    def extract(self, text: str) -> str | None:
         from reasoning_gym.utils import extract_answer
 
         answer = extract_answer(text)
-        if answer is None:
-            lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-            answer = lines[-1] if lines else None
-        score = float(self._score(answer, prompt["entry"]))
+        if answer is not None:
+            return answer
+        if self.answer_format == "last_number":
+            numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+            return numbers[-1] if numbers else None
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        return lines[-1] if lines else None
+
+    def __call__(self, prompt: Mapping, text: str) -> dict:
+        score = float(self._score(self.extract(text), prompt["entry"]))
         return {"reward": score, "outcome": score >= 1.0}
 
 
 def reasoning_gym_task(name: str, *, size: int = 2000, validation_size: int = 200,
                        test_size: int = 200, seed: int = 0, system_prompt: str = "default",
-                       level_key: str = "", **dataset_kwargs) -> Task:
+                       level_key: str = "", answer_format: str = "last_line",
+                       **dataset_kwargs) -> Task:
     """A reasoning-gym dataset `name` (its options, e.g. `min_terms`, in `dataset_kwargs`):
     train, validation and test generated with seeds `seed`, `seed + SPLIT_SEED_STRIDE`,
     `seed + 2 * SPLIT_SEED_STRIDE` (reasoning-gym draws item i from seed + i, so nearby seeds
@@ -204,7 +219,8 @@ def reasoning_gym_task(name: str, *, size: int = 2000, validation_size: int = 20
     validation and test, so the splits are disjoint.
     Prompts are chat messages: a system turn (`system_prompt`, a key of reasoning-gym's
     SYSTEM_PROMPTS, or "" for none) and the question. `level_key` names the metadata field
-    used as the prompt's level (e.g. "num_terms"), for per-level evaluation and curricula."""
+    used as the prompt's level (e.g. "num_terms"), for per-level evaluation and curricula;
+    `answer_format` where to find the answer without tags (`ReasoningGymReward`)."""
     import reasoning_gym
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
@@ -240,7 +256,8 @@ def reasoning_gym_task(name: str, *, size: int = 2000, validation_size: int = 20
                         "prompt": system + [{"role": "user", "content": entry["question"]}],
                         "answer": str(entry["answer"]), "entry": entry})
         splits[split] = out
-    return Task(reward=ReasoningGymReward(name), name=f"reasoning_gym:{name}", **splits)
+    return Task(reward=ReasoningGymReward(name, answer_format), name=f"reasoning_gym:{name}",
+                **splits)
 
 
 def _read_prompt_file(path: str) -> list[dict]:

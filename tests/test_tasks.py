@@ -76,6 +76,12 @@ def test_reasoning_gym_task_splits_scorer_and_levels():
     assert task.reward(p, f"so it is\n{right}\n") == {"reward": 1.0, "outcome": True}
     assert task.reward(p, f"<answer>{wrong}</answer>")["outcome"] is False
     assert task.reward(p, "")["outcome"] is False
+    assert task.reward(p, f"{right} is what it makes")["outcome"] is False  # not the last line
+    numbers = tasks.ReasoningGymReward("chain_sum", answer_format="last_number")
+    assert numbers(p, f"1 + 2 = {right}.\n") == {"reward": 1.0, "outcome": True}
+    assert numbers(p, f"it is {right}, not 1,000") ["outcome"] is False
+    with pytest.raises(ValueError, match="answer_format 'first' is not one of"):
+        tasks.ReasoningGymReward("chain_sum", answer_format="first")
     # Picklable by name: the reward pool's processes rebuild the scorer.
     again = pickle.loads(pickle.dumps(task.reward))
     assert again(p, right) == {"reward": 1.0, "outcome": True}
