@@ -169,8 +169,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.buffer = ml_collections.ConfigDict()
     c.buffer.dir = ""  # "" -> WORKDIR/buffer
     c.buffer.keep_consumed = False  # keep shards the learner has consumed
-
-    c.log_every = 1  # steps between metric records (not read yet: the loops log every step)
     return c
 
 
@@ -216,7 +214,63 @@ _BOUNDS = (
     ("train.worker_timeout_s", 0.0, False, None),
     ("train.worker_restarts", 0, True, None),
     ("zve.zvp.alpha", 0.0, True, None),
+    ("seed", 0, True, None),
+    ("rollout.max_prompt_len", 1, True, None),
+    ("data.rl_prompts", 0, True, None),  # 0: every training prompt
+    ("data.train_per_level", 1, True, None),
+    ("data.test_per_level", 1, True, None),
+    ("warmstart.steps", 0, True, None),
+    ("warmstart.eval_every", 1, True, None),
+    ("warmstart.target_accuracy", 0.0, True, 1.0),
+    ("optim.b1", 0.0, True, 0.999999),
+    ("optim.b2", 0.0, True, 0.999999),
+    ("optim.eps", 0.0, False, None),
+    ("optim.grad_clip_norm", 0.0, False, None),
+    ("optim.weight_decay", 0.0, True, None),
+    ("zve.adaptive.min_obs", 0.0, True, None),
+    ("zve.tie_break.tier_gap", 0.0, False, None),
+    ("rollout.vllm.max_model_len", 0, True, None),  # 0: max_prompt_len + max_new_tokens
+    ("rollout.vllm.gpu_memory_utilization", 0.0, False, 1.0),
+    ("rollout.vllm.tensor_parallel_size", 1, True, None),
 )
+VLLM_DTYPES = ("bfloat16", "float16", "float32", "auto")
+
+
+def _validate_paths(errors: list[str], config: ml_collections.ConfigDict,
+                    check_paths: bool) -> None:
+    """Paths a run reads must exist (directories it writes are created); the vLLM keyword
+    arguments must be a JSON object; level lists must not be empty."""
+    import json
+
+    reads = [("model.hf_path", config.model.hf_path),
+             ("checkpoint.init_from", config.checkpoint.init_from)]
+    if config.tokenizer not in ("char", "model"):
+        reads.append(("tokenizer", config.tokenizer))
+    elif config.tokenizer == "model" and not config.model.hf_path:
+        errors.append("config.tokenizer='model' (the checkpoint's own tokenizer) needs "
+                      "config.model.hf_path")
+    if (config.task or config.data.name) == "math_jsonl":
+        reads += [("data.jsonl_train", config.data.jsonl_train),
+                  ("data.jsonl_test", config.data.jsonl_test)]
+        for key in ("data.jsonl_train", "data.jsonl_test"):
+            if not _get(config, key):
+                errors.append(f"config.{key} must be set for the math_jsonl task")
+    for key, path in reads if check_paths else ():
+        if path and not os.path.exists(path):
+            errors.append(f"config.{key}={path!r} does not exist")
+    try:
+        kwargs = json.loads(config.rollout.vllm.llm_kwargs or "{}")
+    except json.JSONDecodeError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        errors.append(f"config.rollout.vllm.llm_kwargs must be a JSON object, got "
+                      f"{config.rollout.vllm.llm_kwargs!r}")
+    for key in ("data.train_levels", "data.eval_levels"):
+        if not _get(config, key):
+            errors.append(f"config.{key} must not be empty")
+    if config.warmstart.steps > 0 and not config.warmstart.levels:
+        errors.append("config.warmstart.steps > 0 needs config.warmstart.levels (the levels "
+                      "whose worked solutions it trains on)")
 
 
 def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None:
@@ -253,8 +307,11 @@ def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None
                       f"paths, got {config.task_args!r}")
 
 
-def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
-    """Raises ValueError listing every problem, each naming its key and the allowed values."""
+def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
+             check_paths: bool = True) -> None:
+    """Raises ValueError listing every problem, each naming its key and the allowed values.
+    `check_paths=False` validates on paper (a cluster's config on a laptop): the paths it reads
+    are not looked for."""
     from espo_jax.rl.loss_config import validate_loss_config
     from espo_jax.zve.config import validate_zve_config
 
@@ -264,7 +321,11 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1) -> None:
     _choice(errors, config, "model.dispatch", DISPATCHES)
     _choice(errors, config, "data.name", ("arith_chains", "math_jsonl"))
     _choice(errors, config, "eval.split", ("validation", "test"))
+    _choice(errors, config, "rollout.vllm.quantization", ("fp8", "none"))
+    _choice(errors, config, "rollout.vllm.reload", ("auto", "inplace", "rebuild"))
+    _choice(errors, config, "rollout.vllm.dtype", VLLM_DTYPES)
     _validate_task(errors, config)
+    _validate_paths(errors, config, check_paths)
     _choice(errors, config, "rollout.engine", ENGINES)
     _choice(errors, config, "rollout.precision", PRECISIONS)
     _choice(errors, config, "advantage.name", ADVANTAGES)

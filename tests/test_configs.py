@@ -199,3 +199,84 @@ def test_combinations_the_layout_cannot_run(overrides, message):
 )
 def test_combinations_the_layout_can_run(overrides):
     configs.validate(_with(overrides), n_devices=1)
+
+
+# ---- every leaf of default_config() ------------------------------------------------------------
+# Free-form leaves: any value of their type means something (booleans are type-checked by
+# ml_collections itself). Every other leaf is validated: a wrong value is an error naming it.
+FREE = {
+    "buffer.dir": "a directory the run creates",
+    "data.data_dir": "a directory the run creates",
+    "data.jsonl_train": "read only by math_jsonl (then required and checked)",
+    "data.jsonl_test": "read only by math_jsonl (then required and checked)",
+    "mesh.rules": "any logical-axis rules (sharding.rules_from_config reads them)",
+    "model.aux_loss_coef": "< 0 keeps the model's own weight",
+    "warmstart.levels": "read only when warmstart.steps > 0 (then checked)",
+    "zve.offline.low": "< 0 keeps the never-solved prompts",
+}
+def _leaves(config, prefix=""):
+    for key, value in config.items():
+        if hasattr(value, "items"):
+            yield from _leaves(value, prefix + key + ".")
+        else:
+            yield prefix + key, value
+
+
+def _generic_wrong(value):
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return type(value)(-1)
+    if isinstance(value, str):
+        return "/nonexistent/bogus"
+    return ()
+
+
+def test_every_leaf_is_validated_or_free_form():
+    leaves = dict(_leaves(configs.default_config()))
+    assert set(FREE) <= set(leaves)
+    checked = 0
+    for key, value in leaves.items():
+        wrong = _generic_wrong(value)
+        if key in FREE or wrong is None:
+            assert key in FREE or isinstance(value, bool), key
+            continue
+        c = configs.default_config()
+        node = c
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = wrong
+        with pytest.raises(ValueError) as raised:
+            configs.validate(c, n_devices=8)
+        # loss.* and zve.* are checked by their own modules, which name the key inside them.
+        named = key.split(".", 1)[1] if key.startswith(("loss.", "zve.")) else key
+        assert named in str(raised.value), (key, str(raised.value)[:300])
+        checked += 1
+    assert checked == len(leaves) - len(FREE) - sum(isinstance(v, bool) for v in leaves.values())
+    assert checked >= 110
+
+
+def test_the_issue_bad_values_and_the_free_leaves_checks():
+    c = configs.default_config()
+    c.optim.lr, c.eval.num_prompts, c.checkpoint.every = -1.0, -3, 0
+    with pytest.raises(ValueError) as raised:
+        configs.validate(c, n_devices=1)
+    for key in ("optim.lr", "eval.num_prompts", "checkpoint.every"):
+        assert f"config.{key}" in str(raised.value)
+    c = configs.default_config()
+    c.warmstart.steps, c.warmstart.levels = 10, ()
+    with pytest.raises(ValueError, match="warmstart.steps > 0 needs config.warmstart.levels"):
+        configs.validate(c, n_devices=1)
+    c = configs.default_config()
+    c.data.name = "math_jsonl"
+    with pytest.raises(ValueError, match="config.data.jsonl_train must be set"):
+        configs.validate(c, n_devices=1)
+    c.data.jsonl_train, c.data.jsonl_test = "/nonexistent/a.jsonl", "/nonexistent/b.jsonl"
+    with pytest.raises(ValueError, match=r"config.data.jsonl_train='/nonexistent/a.jsonl' does"):
+        configs.validate(c, n_devices=1)
+    configs.validate(c, n_devices=1, check_paths=False)  # on paper: paths not looked for
+    c = configs.default_config()
+    c.tokenizer = "model"
+    with pytest.raises(ValueError, match="config.tokenizer='model'.*needs config.model.hf_path"):
+        configs.validate(c, n_devices=1)

@@ -78,17 +78,19 @@ def validate_zve_config(c: ml_collections.ConfigDict) -> None:
     checks = [
         (c.n_samples >= 1, f"n_samples must be >= 1, got {c.n_samples}"),
         (-1.0 <= o.low < o.high <= 1.0,
-         f"offline needs -1 <= low < high <= 1 (low < 0: never prune unsolved prompts), got "
-         f"low={o.low}, high={o.high}"),
+         f"offline.low and offline.high need -1 <= low < high <= 1 (low < 0: never prune "
+         f"unsolved prompts), got low={o.low}, high={o.high}"),
         (o.k >= 1, f"offline.k must be >= 1, got {o.k}"),
         (1 <= a.min_samples <= a.max_samples,
-         f"adaptive needs 1 <= min_samples <= max_samples, got {a.min_samples}, {a.max_samples}"),
+         f"adaptive.min_samples and adaptive.max_samples need 1 <= min_samples <= max_samples, "
+         f"got {a.min_samples}, {a.max_samples}"),
         (a.multiple >= 1, f"adaptive.multiple must be >= 1, got {a.multiple}"),
         (0.0 < a.target_zv < 1.0, f"adaptive.target_zv must be in (0, 1), got {a.target_zv}"),
         (a.settled_samples >= 0, f"adaptive.settled_samples must be >= 0, got "
                                  f"{a.settled_samples}"),
-        (a.prior > 0 and 0.0 < a.decay <= 1.0,
-         f"adaptive needs prior > 0 and 0 < decay <= 1, got {a.prior}, {a.decay}"),
+        (a.prior > 0, f"adaptive.prior must be > 0, got {a.prior}"),
+        (0.0 < a.decay <= 1.0, f"adaptive.decay must be in (0, 1], got {a.decay}"),
+        (a.min_obs >= 0.0, f"adaptive.min_obs must be >= 0, got {a.min_obs}"),
         (c.tie_break.prefer in TIE_BREAK_PREFER,
          f"tie_break.prefer {c.tie_break.prefer!r} is not one of {TIE_BREAK_PREFER}"),
         (c.tie_break.wrong_score in TIE_BREAK_WRONG,
@@ -99,12 +101,16 @@ def validate_zve_config(c: ml_collections.ConfigDict) -> None:
         (f.max_refill_rounds >= 0, f"online_filter.max_refill_rounds must be >= 0, got "
                                    f"{f.max_refill_rounds}"),
         (r.solved_streak >= 1 and r.failed_streak >= 1,
-         f"retire streaks must be >= 1, got {r.solved_streak}, {r.failed_streak}"),
+         f"retire.solved_streak and retire.failed_streak must be >= 1, got "
+         f"{r.solved_streak}, {r.failed_streak}"),
         (0.0 <= r.reprobe_frac, f"retire.reprobe_frac must be >= 0, got {r.reprobe_frac}"),
-        (r.reprobe_every >= 1 and r.reprobe_samples >= 2,
-         f"retire needs reprobe_every >= 1 and reprobe_samples >= 2 (one sample cannot show "
-         f"variance), got {r.reprobe_every}, {r.reprobe_samples}"),
+        (r.reprobe_every >= 1, f"retire.reprobe_every must be >= 1, got {r.reprobe_every}"),
+        (r.reprobe_samples >= 2, f"retire.reprobe_samples must be >= 2 (one sample cannot show "
+                                 f"variance), got {r.reprobe_samples}"),
+        (c.tie_break.tier_gap > 0.0, f"tie_break.tier_gap must be > 0, got "
+                                     f"{c.tie_break.tier_gap}"),
+        (c.zvp.alpha >= 0.0, f"zvp.alpha must be >= 0, got {c.zvp.alpha}"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(f"zve config: {message}")
+    problems = [message for ok, message in checks if not ok]
+    if problems:
+        raise ValueError("zve config: " + "; ".join(problems))
