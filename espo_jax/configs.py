@@ -111,6 +111,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.advantage = ml_collections.ConfigDict()
     c.advantage.name = "grpo"  # grpo, dr_grpo or rloo
     c.advantage.negative_scale = 1.0  # multiplies negative token advantages (0: positive only)
+    # > 0: DAPO's soft overlong punishment over the last `overlong_buffer` tokens before
+    # rollout.max_new_tokens, added to each response's reward before advantages (0: off).
+    c.advantage.overlong_buffer = 0
 
     c.loss = default_loss_config()  # the loss section (its defaults are commented there)
     c.zve = default_zve_config()  # MS-ZVE stages 0-5 (likewise)
@@ -215,6 +218,7 @@ _BOUNDS = (
     ("train.worker_restarts", 0, True, None),
     ("zve.zvp.alpha", 0.0, True, None),
     ("seed", 0, True, None),
+    ("advantage.overlong_buffer", 0, True, None),
     ("rollout.max_prompt_len", 1, True, None),
     ("data.rl_prompts", 0, True, None),  # 0: every training prompt
     ("data.train_per_level", 1, True, None),
@@ -361,6 +365,9 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                       "score steps against (task 'arith_chains') and stage 2 on "
                       f"(zve.tie_break.enabled); got task {task!r}, "
                       f"enabled={config.zve.tie_break.enabled}")
+    if config.advantage.overlong_buffer > config.rollout.max_new_tokens:
+        errors.append(f"config.advantage.overlong_buffer={config.advantage.overlong_buffer} must "
+                      f"be <= rollout.max_new_tokens={config.rollout.max_new_tokens}")
     if config.warmstart.max_seconds < 0:
         errors.append(f"config.warmstart.max_seconds must be >= 0 (0: no limit), got "
                       f"{config.warmstart.max_seconds}")

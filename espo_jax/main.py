@@ -31,6 +31,9 @@ def main(argv) -> int:
 
         return vllm_cli.main_from_config(config, workdir, **worker_flags.worker_args())
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from espo_jax import console
+
+    console.quiet(flags.FLAGS.verbosity)
     import jax
 
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a user's own cache directory wins
@@ -45,7 +48,7 @@ def main(argv) -> int:
         raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
                          "train.loop=async runs multi-host (rollout workers are single processes)")
     logging.getLogger().setLevel(logging.INFO)
-    os.makedirs(workdir, exist_ok=True)
+    log_path = console.log_to_file(workdir)
     if config.mode == "rollout":
         from espo_jax.rollout import worker
 
@@ -58,7 +61,8 @@ def main(argv) -> int:
         from espo_jax.train import loop
 
         summary = loop.run_sync(config, workdir)
-    print({k: v for k, v in summary.items() if not isinstance(v, dict)})
+    print(f"\n{console.summary_table(summary)}\n  summary.json  "
+          f"{os.path.join(workdir, 'summary.json')}\n  full log      {log_path}")
     return 0
 
 

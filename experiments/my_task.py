@@ -1,7 +1,8 @@
 """A task of your own, as a researcher writes one: prompts, splits and a ten-line reward.
 
 Sums of two numbers with 1, 2 or 3 digits (levels 1-3), as text the character tokenizer reads.
-The warm start sees worked answers of levels 1-2; RL trains on all three. The config beside it
+The prompts carry their answers as `solution`, so the supervised warm start and the anchor can
+use them; RL trains on all three levels. The config beside it
 (`my_task_espo.py`) points `config.task` at `task` below; any module works the same way
 (`--config.task=package.module:function` with `--config.task_args='{"size": 500}'`).
 """
@@ -33,4 +34,4 @@ def task(size: int = 3000, seed: int = 0) -> Task:
                 "solution": str(a + b), "prompt_id": f"{a}+{b}"} for a, b, d in pairs]
     train = prompts[:size]
     return Task(reward=reward, train=train, validation=prompts[size:size + 300],
-                test=prompts[size + 300:], warm=[p for p in train if p["level"] <= 2])
+                test=prompts[size + 300:])

@@ -32,6 +32,10 @@ def default_loss_config() -> ml_collections.ConfigDict:
     c.aggregation_norm_len = 0  # L of seq_mean_token_sum_norm (Dr. GRPO budget); 0 = padded T
     c.kl_coef = 0.0  # beta of the KL(pi || pi_ref) penalty; > 0 needs ref_logp
     c.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators; GRPO uses k3)
+    c.kl_clamp = 0.0  # > 0: each token's KL estimate clamped to [-kl_clamp, kl_clamp] (verl: 10)
+    # > 1: dual clip (Ye et al. 2020; verl's default c = 3): with A < 0 the objective is bounded
+    # below by c * A, so a token whose ratio exceeds c gives no gradient. 0: off.
+    c.dual_clip = 0.0
     c.tis = "off"  # truncated IS vs the sampler: off | token | sequence; needs behaviour_logp
     c.tis_cap = 2.0  # C in min(pi_old / pi_sampler, C); TIS suggests 2 or 8
     c.vocab_size = 151936  # |V| in ESPO's log|V| (Qwen3 tokenizer)
@@ -80,6 +84,8 @@ def validate_loss_config(config: ml_collections.ConfigDict) -> None:
         "clip_high": (config.clip_high >= 0.0, ">= 0"),
         "aggregation_norm_len": (config.aggregation_norm_len >= 0, ">= 0 (0 = padded T)"),
         "kl_coef": (config.kl_coef >= 0.0, ">= 0"),
+        "kl_clamp": (config.kl_clamp >= 0.0, ">= 0 (0 = off)"),
+        "dual_clip": (config.dual_clip == 0.0 or config.dual_clip > 1.0, "0 (off) or > 1"),
         "tis_cap": (config.tis_cap > 0.0, "> 0"),
         "vocab_size": (config.vocab_size >= 2, ">= 2"),
         "espo_high_entropy_frac": (0.0 < config.espo_high_entropy_frac <= 1.0, "in (0, 1]"),

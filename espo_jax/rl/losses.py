@@ -288,9 +288,11 @@ def policy_loss(
     """Loss to minimise for `config.name`, and flat metrics. All arrays `[B, T]`.
 
     loss = -Agg_t( w_t * J_t ) + kl_coef * Agg_t( KL_t )
-      J_t  the registered surrogate (see LOSSES); Agg per `config.aggregation` (`auto` = paper);
+      J_t  the registered surrogate (see LOSSES), with `dual_clip` c > 1: max(J_t, c A_t) where
+           A_t < 0; Agg per `config.aggregation` (`auto` = paper);
       w_t  TIS weight min(pi_old / pi_behaviour, tis_cap) per token or sequence (1 if `off`);
-      KL_t k1/k2/k3 estimate of KL(pi || pi_ref) on the sampled tokens.
+      KL_t k1/k2/k3 estimate of KL(pi || pi_ref) on the sampled tokens (clamped to
+           [-kl_clamp, kl_clamp] when `kl_clamp` > 0).
     `entropy` (old policy, constant) is needed by ESPO; `behaviour_logp` (the sampler's
     log-probs) by TIS; `ref_logp` by `kl_coef > 0`. Config values are static: wrap with
     `functools.partial(policy_loss, config=cfg)` before `jax.jit`. The names it branches on are
@@ -334,6 +336,13 @@ def policy_loss(
 
     metrics = dict(sur.metrics)
     objective = sur.objective
+    if config.dual_clip > 0:
+        # With A < 0 the clipped surrogate -> -inf as the ratio grows; c * A bounds it, and the
+        # bound's gradient is zero (verl's `clip_ratio_c`).
+        floor = config.dual_clip * adv * m
+        bound = (adv < 0) & (objective < floor)
+        objective = jnp.where(bound, floor, objective)
+        metrics["pg/dual_clip_frac"] = (bound * m).sum() / jnp.maximum(m.sum(), 1.0)
     if behaviour_logp is not None:
         level = "sequence" if config.tis == "sequence" else "token"
         weights, tis_stats = _tis_weights(old_logp, behaviour_logp, m, level, config.tis_cap)
@@ -344,6 +353,8 @@ def policy_loss(
     loss = pg_loss
     if ref_logp is not None:
         kl = _kl(logp, ref_logp.astype(dtype), m, config.kl_estimator)
+        if config.kl_clamp > 0:
+            kl = jnp.clip(kl, -config.kl_clamp, config.kl_clamp)
         kl_agg = agg(kl)
         metrics["kl/mean"] = kl_agg
         if config.kl_coef > 0:

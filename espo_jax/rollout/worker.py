@@ -489,7 +489,7 @@ def main(argv: list[str]) -> int:
 def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1, *,
                      max_batches: int | None = None, until_version: int | None = None,
                      stats: str | None = None, sampler: Sampler | None = None,
-                     exit_with_parent: bool = False) -> int:
+                     exit_with_parent: bool = False, log_path: str | None = None) -> int:
     """A worker built from an experiment config (`python -m espo_jax.main --mode=rollout`, the
     async loop's worker processes, `python -m espo_jax.rollout.worker`, and with a
     `vllm_worker.VllmSampler` the vLLM worker).
@@ -536,7 +536,12 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
         exit_with_parent=exit_with_parent,
     )
     reward, target_fn = tasks.reward_fn(task)
-    log = functools.partial(print, flush=True)
+    if log_path:  # a worker the learner spawned: its lines go to a file, not the console
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        log_file = open(log_path, "a")  # noqa: SIM115 (open for the worker's lifetime)
+        log = functools.partial(print, file=log_file, flush=True)
+    else:
+        log = functools.partial(print, flush=True)
     log(f"rollout worker {index} of {num_workers}: {len(mine)} prompts, "
         f"{wc.prompts_per_batch} per batch, at most {wc.max_ahead} batches ahead of the learner")
     worker = RolloutWorker(wc, scheduler, reward, detokenize=tasks.decoder(config, tokenizer),

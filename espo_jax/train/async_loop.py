@@ -35,7 +35,7 @@ import time
 import ml_collections
 import numpy as np
 
-from espo_jax import distributed
+from espo_jax import console, distributed
 from espo_jax.buffer import BufferReader, flow, weights
 from espo_jax.models import hf_io
 from espo_jax.train.loop import Run, raise_failed_rewards
@@ -59,8 +59,10 @@ def _worker_main(config_json: str, workdir: str, index: int) -> None:
     from espo_jax.rollout import worker
 
     config = ml_collections.ConfigDict(json.loads(config_json))
+    log_path = os.path.join(workdir, "workers", f"rollout-{index}.log")
+    console.worker_logging(log_path)
     worker.main_from_config(config, workdir, index=index, num_workers=config.train.num_workers,
-                            exit_with_parent=True)
+                            exit_with_parent=True, log_path=log_path)
 
 
 def start_worker(config, workdir: str, index: int) -> mp.Process:
@@ -248,6 +250,7 @@ class AsyncRun(Run):
         online = OnlineFilter.for_zve(c.zve)
         self._start_workers()
         statuses: list[dict] = []
+        progress = console.Progress("RL", c.train.steps)
         try:
             while step < c.train.steps:
                 t_step = time.time()
@@ -293,7 +296,11 @@ class AsyncRun(Run):
                     metrics["time/wait_s"], metrics["time/step_s"], metrics["workers/live"],
                     reader.stats["stale_dropped"], 100 * metrics["async/stale_token_frac"],
                     reader.stats["corrupt_records"], reader.stats["missing_shards"],
-                    metrics["reward/failed"])
+                    metrics["reward/failed"], extra=console.FILE_ONLY)
+                progress.update(step, {"rollout acc": metrics["rollout/accuracy"],
+                                       "staleness": metrics["async/staleness_max"],
+                                       "workers": metrics["workers/live"],
+                                       "s/step": metrics["time/step_s"]})
                 too_many_failed = failed > c.rollout.max_failed_reward_frac
                 if step % c.checkpoint.every == 0 or step == c.train.steps or too_many_failed:
                     meta.update(cursor=reader.cursor)

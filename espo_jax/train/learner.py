@@ -23,9 +23,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from espo_jax import distributed, sharding
+from espo_jax import console, distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
-from espo_jax.rl.advantages import ADVANTAGES, zvp_signs
+from espo_jax.rl.advantages import ADVANTAGES, overlong_penalty, zvp_signs
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import RLBatch, pack_sequences, rl_seq_len
 from espo_jax.train.state import TrainState
@@ -186,7 +186,8 @@ class Learner:
             self._compiled[key] = exe
             self.memory_report[name] = report = memory_report(exe)
             logging.info("compiled %s for %s rows x %s tokens in %.1f s; memory (bytes): %s", name,
-                         *key[1], time.time() - start, report or "not reported by this backend")
+                         *key[1], time.time() - start, report or "not reported by this backend",
+                         extra=console.FILE_ONLY)
         return exe(*args)
 
     def _example_batch(self) -> RLBatch:
@@ -212,7 +213,14 @@ class Learner:
     def minibatches(self, groups: Sequence[RolloutGroup],
                     rewards: Sequence[np.ndarray]) -> list[RLBatch]:
         """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`
-        (advantages from `rewards`, one float32 array per group)."""
+        (advantages from `rewards`, one float32 array per group; with
+        `advantage.overlong_buffer` > 0 DAPO's overlong penalty is added to them first)."""
+        buffer = self.config.advantage.overlong_buffer
+        if buffer > 0:
+            max_len = self.config.rollout.max_new_tokens
+            rewards = [np.asarray(rw, np.float32) + np.asarray(overlong_penalty(
+                np.array([r.length for r in g.responses]), max_len, buffer))
+                for g, rw in zip(groups, rewards, strict=True)]
         adv, signs = group_advantages(
             groups, rewards, self.config.advantage.name, self.config.zve.zvp.enabled,
             self.config.zve.zvp.wrong_groups,

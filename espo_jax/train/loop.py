@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from espo_jax import distributed, run_setup, sharding, tasks
+from espo_jax import console, distributed, run_setup, sharding, tasks
 from espo_jax.buffer import BufferReader, BufferWriter
 from espo_jax.buffer.shards import list_shards
 from espo_jax.rewards.pool import RewardPool
@@ -143,6 +143,9 @@ class Run:
             meta["warmstart_seconds"] = done["warmstart/seconds"]
         meta["warmstart"] = self.evaluate(state.params)
         self.logger.write(0, meta["warmstart"], phase="eval")
+        logging.info("held-out accuracy before RL: %.3f on %d %s prompts",
+                     meta["warmstart"]["eval/accuracy"], len(self.setup.eval_prompts),
+                     self.config.eval.split)
         # The warm-started policy (RL step 0), kept apart from the RL checkpoints' retention: a
         # crash during RL never repeats the warm start, and other runs can start from it
         # (`--config.checkpoint.init_from=WORKDIR/warmstart`, e.g. the baselines).
@@ -175,6 +178,8 @@ class Run:
     def finish(self, state, meta) -> dict:
         final = self.evaluate(state.params)
         self.logger.write(meta["rl_step"], final, phase="eval")
+        logging.info("held-out accuracy after %d RL steps: %.3f", meta["rl_step"],
+                     final["eval/accuracy"])
         generated = meta["generated_tokens"] + meta["offline_tokens"]
         summary = {
             "warmstart_accuracy": meta["warmstart"].get("eval/accuracy", 0.0),
@@ -269,6 +274,7 @@ class SyncRun(Run):
             _, m = zve.offline_prune(rollout)
             meta["offline_tokens"] += int(m.get("zve/offline_tokens", 0))
             self.logger.write(0, m, phase="rl")
+        progress = console.Progress("RL", c.train.steps)
         while step < c.train.steps:
             t_step = time.time()
             rounds[0] = 0
@@ -291,7 +297,13 @@ class SyncRun(Run):
             self.logger.write(step, metrics, phase="rl")
             logging.info("RL step %d/%d: rollout acc %.3f, zv frac %.2f, %.1f s", step,
                          c.train.steps, metrics["rollout/accuracy"],
-                         zmetrics.get("zve/zero_variance_frac_before", 0.0), metrics["time/step_s"])
+                         zmetrics.get("zve/zero_variance_frac_before", 0.0), metrics["time/step_s"],
+                         extra=console.FILE_ONLY)
+            progress.update(step, {"rollout acc": metrics["rollout/accuracy"],
+                                   "zv frac": zmetrics.get("zve/zero_variance_frac_before", 0.0),
+                                   "s/step": metrics["time/step_s"],
+                                   **({"held-out acc": metrics["eval/accuracy"]}
+                                      if "eval/accuracy" in metrics else {})})
             too_many_failed = failed > c.rollout.max_failed_reward_frac
             if step % c.checkpoint.every == 0 or step == c.train.steps or too_many_failed:
                 meta.update(cursor=reader.cursor, zve=zve.state_dict(),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from espo_jax import console
 from espo_jax.train import state as state_lib
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import rl_seq_len
@@ -76,14 +77,19 @@ def warm_start(
     rng = np.random.default_rng(config.seed)
     eval_metrics: dict = {}
     start = time.time()
+    progress = console.Progress("warm start", ws.steps)
     for step in range(ws.steps):
         idx = rng.integers(0, len(setup.warm_prompts), size=ws.batch_size)
         batch = sft_batch(setup.warm_prompts, idx, setup.tokenizer, seq_len)
         state, metrics = step_fn(state, batch)
         last = step + 1 == ws.steps
-        if (step + 1) % 25 == 0:
+        if (step + 1) % 25 == 0 and not last:  # the last step's line comes with its evaluation
             logging.info("warm start step %d/%d: nll %.3f (%.2f s/step so far)", step + 1,
-                         ws.steps, float(metrics["sft/nll"]), (time.time() - start) / (step + 1))
+                         ws.steps, float(metrics["sft/nll"]), (time.time() - start) / (step + 1),
+                         extra=console.FILE_ONLY)
+            progress.update(step + 1, {"nll": float(metrics["sft/nll"]),
+                                       **({"acc": eval_metrics["eval/accuracy"]}
+                                          if eval_metrics else {})})
         out_of_time = bool(ws.max_seconds) and time.time() - start >= ws.max_seconds
         if (step + 1) % ws.eval_every == 0 or last or out_of_time:
             eval_metrics = evaluate_fn(state.params)
@@ -91,7 +97,10 @@ def warm_start(
             log(step + 1, metrics)
             acc = eval_metrics.get("eval/accuracy", 0.0)
             logging.info("warm start %d/%d: nll %.3f, accuracy on its levels %.3f (%.0f s)",
-                         step + 1, ws.steps, float(metrics["sft/nll"]), acc, time.time() - start)
+                         step + 1, ws.steps, float(metrics["sft/nll"]), acc, time.time() - start,
+                         extra=console.FILE_ONLY)
+            progress.update(step + 1 if not last else ws.steps,
+                            {"nll": float(metrics["sft/nll"]), "acc": acc})
             if acc >= ws.target_accuracy:
                 break
         if out_of_time:

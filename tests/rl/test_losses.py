@@ -255,6 +255,8 @@ def test_metric_names_are_flat_namespaced_scalars(loss):
         ("clip_low", 1.0, "clip_low"),
         ("vocab_size", 1, "vocab_size"),
         ("tis_cap", 0.0, "tis_cap"),
+        ("dual_clip", 0.5, "dual_clip=0.5 must be 0 .off. or > 1"),
+        ("kl_clamp", -1.0, "kl_clamp"),
         ("aggregation", "group_mean", "group_mean.*needs name='espo'"),
     ],
 )
@@ -322,6 +324,7 @@ _PAPER_DEFAULTS = {
     "aggregation": "auto", "aggregation_norm_len": 0, "espo_alpha": 0.02,
     "espo_high_entropy_frac": 0.2, "espo_token_ratio": "gspo_token", "kl_coef": 0.0,
     "kl_estimator": "k3", "tis": "off", "tis_cap": 2.0, "vocab_size": 151936,
+    "kl_clamp": 0.0, "dual_clip": 0.0,  # verl's choices (10, 3), not the papers': off
 }
 PAPER_CONFIGS = {
     "grpo": {"clip_low": 0.2, "clip_high": 0.2},
@@ -387,3 +390,37 @@ def test_a_registered_loss_is_validated_and_used(run_loss):
             loss_config.validate_loss_config(cfg)
     finally:
         del losses.LOSSES["reinforce"]
+
+
+def test_dual_clip_by_hand(run_loss):
+    # One row, A = -1, ratios 0.9, 2.0, 4.0 (T = 3, seq_mean_token_mean, eps 0.2 / 0.2).
+    ratios = np.array([[0.9, 2.0, 4.0]])
+    old = np.full((1, 3), -1.0, np.float32)
+    mask = np.ones((1, 3), np.float32)
+    adv = np.full((1, 3), -1.0, np.float32)
+    logp = jnp.asarray(old + np.log(ratios), jnp.float32)
+    # Without dual clip: J = r * A for every token (r > 1 - eps, so none clipped):
+    # (-0.9 - 2 - 4) / 3 = -2.3, loss 2.3.
+    loss, met, g = run_loss(_cfg("grpo"), logp, old, adv, mask)
+    assert loss == pytest.approx(2.3, rel=1e-5)
+    # c = 3: the 4.0 token's J = -4 < c * A = -3 is bounded: (-0.9 - 2 - 3) / 3 = -1.9667, and
+    # its gradient is 0; the others keep -A r / 3.
+    loss, met, g = run_loss(_cfg("grpo", dual_clip=3.0), logp, old, adv, mask)
+    assert loss == pytest.approx(5.9 / 3, rel=1e-5)
+    assert met["pg/dual_clip_frac"] == pytest.approx(1 / 3)
+    np.testing.assert_allclose(g, [[0.9 / 3, 2.0 / 3, 0.0]], rtol=1e-5, atol=1e-7)
+    # Positive advantages are never dual-clipped.
+    loss, met, _ = run_loss(_cfg("grpo", dual_clip=3.0), logp, old, -adv, mask)
+    assert met["pg/dual_clip_frac"] == 0.0
+
+
+def test_kl_clamp_by_hand(run_loss):
+    # One token, logp = -1, ref = 2: d = ref - logp = 3; k3 = e^3 - 3 - 1 = 16.0855.
+    one = np.ones((1, 1), np.float32)
+    logp, ref = jnp.full((1, 1), -1.0), jnp.full((1, 1), 2.0)
+    k3 = math.exp(3.0) - 4.0
+    for clamp, want in ((0.0, k3), (10.0, 10.0), (20.0, k3)):
+        cfg = _cfg("grpo", kl_coef=0.5, kl_clamp=clamp)
+        loss, met, _ = run_loss(cfg, logp, logp, 0 * one, one, ref_logp=ref)
+        assert met["kl/mean"] == pytest.approx(want, rel=1e-5)
+        assert loss == pytest.approx(0.5 * want, rel=1e-5)

@@ -473,3 +473,31 @@ def test_anchor_teaches_worked_solutions_during_rl(learner_setup):
         state, m = lrn.update(state, *flat)
     assert m["anchor/nll"] < 0.8 * m0["anchor/nll"], (m0["anchor/nll"], m["anchor/nll"])
     assert learner.anchor_batch(0) is None  # anchor_coef 0: no rows, the step ignores it
+
+
+def test_overlong_buffer_adds_dapo_penalty_before_advantages(learner_setup):
+    learner = learner_setup[0]
+    # One group, equal rewards, responses of 3 and 8 tokens (max_new_tokens 8). Buffer 4: the
+    # soft limit is 8 - 4 = 4, so length 3 gets 0 and length 8 gets (4 - 8) / 4 = -1.
+    responses = [Response(tokens=np.full(n, 5, np.int32), logprobs=np.zeros(n, np.float32),
+                          routed_experts=None, finish_reason="length", outcome=True, reward=1.0)
+                 for n in (3, 8)]
+    group = RolloutGroup(prompt_id="p", prompt_tokens=np.array([1, 7], np.int32),
+                         policy_version=0, sampler="jax-fp32", created_at=0.0,
+                         responses=responses, n_experts=None)
+    rewards = [np.array([1.0, 1.0], np.float32)]
+    try:
+        plain = learner.minibatches([group], rewards)[0]
+        learner.config.advantage.overlong_buffer = 4
+        punished = learner.minibatches([group], rewards)[0]
+    finally:
+        learner.config.advantage.overlong_buffer = 0
+    def by_length(batch):  # the batch's rows are in its own order: key them by response length
+        lengths = np.asarray(batch.loss_mask).sum(axis=1)
+        adv = np.asarray(batch.advantages)
+        return {int(n): float(a) for n, a in zip(lengths, adv, strict=True) if n}
+
+    assert by_length(plain) == {3: 0.0, 8: 0.0}
+    # Rewards 1 + 0 and 1 - 1: GRPO advantages (r - mean) / std = +1, -1.
+    got = by_length(punished)
+    assert got == {3: pytest.approx(1.0, abs=1e-5), 8: pytest.approx(-1.0, abs=1e-5)}

@@ -152,7 +152,9 @@ def test_flow_control_bounds_how_far_workers_run_ahead(tmp_path):
     consumed = _consumed(workdir)
     assert sorted(consumed) == list(range(1, steps + 1))
     read_from = collections.Counter(g[0] for groups in consumed.values() for g in groups)
-    assert "waiting for the learner" in text, text[-6000:]
+    # Spawned workers write their lines to WORKDIR/workers/rollout-{i}.log, not the console.
+    worker_logs = "".join((workdir / "workers" / f"rollout-{i}.log").read_text() for i in (0, 1))
+    assert "waiting for the learner" in worker_logs, worker_logs[-6000:]
     for wid, st in statuses.items():
         assert st["state"] == "done", st
         assert st["worker/batches"] >= 1 and read_from[wid] >= 1, (wid, st, read_from)
@@ -206,7 +208,9 @@ def test_sigkill_a_worker_it_is_restarted_and_no_group_is_lost_or_doubled(tmp_pa
     assert summary["worker_restarts"] == {"0": 1}, summary["worker_restarts"]
     assert summary["worker_exit_codes"] == [0, 0], summary  # the restarted one and worker 1
     assert "rollout worker 0 died (exit -9): restarting it (1 of" in text, text[-6000:]
-    assert "resumed the prompt scheduler" in text, text[-6000:]
+    # Spawned workers write their lines to WORKDIR/workers/rollout-{i}.log, not the console.
+    worker_log = (workdir / "workers" / "rollout-0.log").read_text()
+    assert "resumed the prompt scheduler" in worker_log, worker_log[-6000:]
     assert flow.read_json(status_file)["pid"] != victim
 
     lines = _jsonl(workdir / "consumed.jsonl")

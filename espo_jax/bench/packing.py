@@ -1,0 +1,108 @@
+"""Sequence packing against one row per sequence: the learner's update on the same sequences.
+
+The default experiment's update shape: 256 sequences (32 prompts x 8 samples) in rows of 71
+positions (20 prompt + 52 response - 1), the `small` preset, ESPO with router replay. Prompt
+lengths are drawn from 8-20 tokens and response lengths from 10-52 (about 36% of the padded
+positions are padding, as in the default run). The same sequences go through `pack_sequences`
+both ways, and the fused ESPO loss + gradients + AdamW update runs on each, timed in
+alternation (medians of repeats), compile apart. The gradients agree (tests/train/
+test_packing.py); this measures only the time.
+
+    python -m espo_jax.bench packing [--quick] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from espo_jax.bench import format_table
+from espo_jax.bench.model import interleaved_medians
+from espo_jax.models import get_preset, init_params
+from espo_jax.rl.loss_config import paper_loss_config
+from espo_jax.train import step as step_lib
+from espo_jax.train.batch import pack_sequences
+
+PROMPT_LEN, NEW_TOKENS = 20, 52
+
+
+def sequences(config, n: int, seed: int = 0):
+    """`n` prompt + response pairs with the default experiment's lengths, recorded routing,
+    behaviour log-probs, advantages."""
+    rng = np.random.default_rng(seed)
+    prompts, responses, blogps, routings = [], [], [], []
+    for _ in range(n):
+        p = rng.integers(3, config.vocab_size, rng.integers(8, PROMPT_LEN + 1))
+        r = rng.integers(3, config.vocab_size, rng.integers(10, NEW_TOKENS + 1))
+        route = np.stack([rng.permutation(config.n_experts)[:config.top_k]
+                          for _ in range((len(p) + len(r)) * config.n_moe_layers)])
+        route = route.reshape(len(p) + len(r), config.n_moe_layers, config.top_k)
+        route[-1] = -1
+        prompts.append(p), responses.append(r), routings.append(route)
+        blogps.append(rng.normal(-3.0, 0.3, len(r)).astype(np.float32))
+    adv = rng.normal(size=n).astype(np.float32)
+    return prompts, responses, blogps, routings, adv, np.zeros(n, np.float32)
+
+
+def run(quick: bool) -> dict:
+    config = get_preset("tiny" if quick else "small")
+    rows = 32 if quick else 256
+    repeats = 3 if quick else 7
+    seq_len = PROMPT_LEN + NEW_TOKENS - 1
+    args = sequences(config, rows)
+    kw = dict(rows=rows, seq_len=seq_len, pad_id=0,
+              moe_shape=(config.n_moe_layers, config.top_k))
+    batches = {"padded": pack_sequences(*args, **kw, pack=False),
+               "packed": pack_sequences(*args, **kw, pack=True)}
+    loss_config = paper_loss_config("espo")
+    loss_config.vocab_size = config.vocab_size
+    loss_fn = functools.partial(step_lib.rl_loss, model_config=config, replay="r3",
+                                chunk_size=64, loss_config=loss_config, zvp_alpha=0.0,
+                                fused=True)
+    tx = optax.adamw(1e-4)
+
+    @jax.jit
+    def update(params, opt_state, batch):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = init_params(config, jax.random.key(0))
+    opt_state = tx.init(params)
+    fns, figures = {}, {"preset": "tiny" if quick else "small", "sequences": rows,
+                        "seq_len": seq_len, "repeats": repeats}
+    for name, batch in batches.items():
+        batch = jax.tree.map(jnp.asarray, batch)
+        n_real = int(np.sum(np.asarray(batch.segment_ids) > 0))
+        start = time.perf_counter()
+        compiled = update.lower(params, opt_state, batch).compile()
+        compile_s = time.perf_counter() - start
+        loss = float(compiled(params, opt_state, batch)[2])
+        fns[name] = functools.partial(
+            lambda c, b: jax.block_until_ready(c(params, opt_state, b)), compiled, batch)
+        figures[name] = {"model_rows": int(batch.tokens.shape[0]),
+                         "row_len": int(batch.tokens.shape[1]),
+                         "token_slots": int(batch.tokens.size), "real_tokens": n_real,
+                         "padding_frac": 1 - n_real / batch.tokens.size,
+                         "compile_s": compile_s, "loss": loss}
+    secs = interleaved_medians(fns, repeats)
+    for name in fns:
+        figures[name]["update_s"] = secs[name]
+    figures["packed_speedup"] = secs["padded"] / secs["packed"]
+    figures["load_average"] = os.getloadavg()
+    rows_out = [[name, f"{f['model_rows']} x {f['row_len']}", f["token_slots"],
+                 f"{100 * f['padding_frac']:.1f}%", f"{f['update_s']:.3f}",
+                 f"{f['compile_s']:.1f}", f"{f['loss']:.6f}"]
+                for name, f in ((n, figures[n]) for n in fns)]
+    print(f"{figures['preset']}: {rows} sequences, ESPO + R3 fused update with AdamW; medians "
+          f"of {repeats}, interleaved; load average {figures['load_average'][0]:.1f}")
+    print(format_table(["layout", "model rows x width", "token slots", "padding",
+                        "update s", "compile s", "loss"], rows_out))
+    print(f"packed update: {figures['packed_speedup']:.2f}x the padded one's speed")
+    return figures
