@@ -67,3 +67,42 @@ def test_rollout_mode_starts_the_configured_engine(tmp_path):
                             "--config.rollout.engine=vllm", timeout=120)
         assert vllm_worker.returncode == 1 and "vLLM is not importable" in vllm_worker.stderr
         assert not (tmp_path / "vllm").exists()
+
+
+def test_default_console_is_short_and_the_log_file_keeps_everything(tmp_path):
+    """At the default verbosity: progress bars, espo_jax's messages and the summary table on
+    the console; orbax's INFO records (hundreds per run) only in WORKDIR/log.txt."""
+    workdir = tmp_path / "run"
+    proc = _main("--workdir", str(workdir), "--config.train.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = (proc.stdout + proc.stderr).splitlines()
+    assert len(console) < 40, "\n".join(console)
+    text = "\n".join(console)
+    assert "checkpoint_manager.py" not in text and "Unable to initialize backend" not in text
+    assert "RL         [########################] 3/3" in text  # the RL bar's last line
+    assert "held-out accuracy" in text and "summary.json" in text
+    log = (workdir / "log.txt").read_text()
+    assert "checkpoint_manager.py" in log and "RL step 3/3" in log
+
+
+def test_console_filter_keeps_warnings_and_espo_jax_info():
+    import logging
+
+    from espo_jax import console
+
+    f = console._ConsoleFilter()
+
+    def record(path, level, msg="m", **extra):
+        r = logging.LogRecord("absl", level, path, 1, msg, None, None)
+        r.__dict__.update(extra)
+        return r
+
+    ours = os.path.join(REPO, "espo_jax", "train", "loop.py")
+    assert f.filter(record(ours, logging.INFO))
+    assert not f.filter(record(ours, logging.INFO, **console.FILE_ONLY))
+    assert not f.filter(record("/site-packages/orbax/checkpoint/x.py", logging.INFO))
+    assert f.filter(record("/site-packages/orbax/checkpoint/x.py", logging.WARNING))
+    assert not f.filter(record("/tfds/dataset_builder.py", logging.WARNING,
+                               "Using custom data configuration: X"))
+    assert f.filter(record("/tfds/dataset_builder.py", logging.ERROR,
+                           "Using custom data configuration: X"))
