@@ -37,6 +37,9 @@ def main(argv: list[str]) -> int:
     if _INIT_FROM.value and not os.path.isdir(_INIT_FROM.value):
         raise app.UsageError(f"--init_from {_INIT_FROM.value!r} is not a directory")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from espo_jax import console
+
+    console.quiet(flags.FLAGS.verbosity)  # library INFO records off the console (as the main job)
     module = importlib.import_module(f"espo_jax.bench.{name}")
     figures = module.run(quick=_QUICK.value, **{k: h.value for k, h in own.items()})
     if _OUT.value:

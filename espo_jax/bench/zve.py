@@ -168,7 +168,8 @@ def numbered(generate: Generate, cache: dict | None = None) -> Rollout:
     return rollout
 
 
-def engine_rollout(engine, pool, *, seed: int, n_experts: int | None) -> Generate:
+def engine_rollout(engine, pool, *, seed: int, n_experts: int | None,
+                   target_fn=None) -> Generate:
     """The main job's rollout without the buffer: `engine` (holding the fixed policy) with the
     overlapped reward `pool`; call i draws with key fold_in(key(seed), i)."""
     import jax
@@ -182,7 +183,7 @@ def engine_rollout(engine, pool, *, seed: int, n_experts: int | None) -> Generat
         key = jax.random.fold_in(jax.random.key(seed), i)
         groups = generate_scored_groups(engine, pool, plan, rng=key, policy_version=0,
                                         n_experts=n_experts, admission="longest_first",
-                                        predictor=predictor)
+                                        predictor=predictor, target_fn=target_fn)
         for g in groups:
             predictor.observe(g.prompt_id, [r.length for r in g.responses])
         return groups
@@ -240,8 +241,10 @@ def measure(config: ml_collections.ConfigDict, workdir: str, budget_tokens: int,
         run.engine.load_params(state.params)
         c, mc = config, run.setup.model_config
         n_experts = mc.n_experts if mc.n_moe_layers else None
-        offline = engine_rollout(run.engine, run.pool, seed=c.seed + 7, n_experts=n_experts)
-        steps = engine_rollout(run.engine, run.pool, seed=c.seed, n_experts=n_experts)
+        offline = engine_rollout(run.engine, run.pool, seed=c.seed + 7, n_experts=n_experts,
+                                 target_fn=run.target_fn)
+        steps = engine_rollout(run.engine, run.pool, seed=c.seed, n_experts=n_experts,
+                               target_fn=run.target_fn)
         offline_cache, step_cache = {}, {}
         results = {}
         for label, zcfg in stage_configs(c.zve):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-NAMES = "model, buffer, engine, zve, attention, peers"
+NAMES = "model, buffer, engine, zve, attention, peers, packing"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -22,3 +22,38 @@ def test_usage_errors(args, message, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and message in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_zve_quick_runs_on_the_default_config(tmp_path):
+    """`bench zve --quick` on experiments/arith_espo.py's config (its small variant), as
+    shipped: every configuration runs, and its accounting adds up."""
+    out = tmp_path / "zve.json"
+    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "zve", "--quick",
+                           f"--out={out}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    figures = json.loads(out.read_text())
+    configs = figures["configurations"]
+    assert len(configs) == 8 and "plain GRPO" in configs
+    for name, c in configs.items():
+        assert c["stopped"] == "", name
+        assert 0 <= c["zero_variance_groups"] <= c["groups"], name
+        assert c["signal_groups"] <= c["trained_groups"] <= c["groups"], name
+        assert c["wasted_tokens"] <= c["tokens"] + c["offline_tokens"], name
+    # Plain GRPO trains on every group: those without contrast are the zero-variance ones.
+    plain = configs["plain GRPO"]
+    assert plain["signal_groups"] == plain["trained_groups"] - plain["zero_variance_groups"]
+
+
+def test_packing_quick_same_loss_fewer_slots(tmp_path):
+    out = tmp_path / "packing.json"
+    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "packing", "--quick",
+                           f"--out={out}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    f = json.loads(out.read_text())
+    assert f["packed"]["real_tokens"] == f["padded"]["real_tokens"]
+    assert f["packed"]["token_slots"] < f["padded"]["token_slots"]
+    assert abs(f["packed"]["loss"] - f["padded"]["loss"]) < 1e-5
