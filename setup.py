@@ -39,7 +39,7 @@ EXTRAS = {
         "hypothesis==6.170.17",
         "portpicker==1.6.0",  # free ports for the two-process jax.distributed tests
         "ruff==0.17.6",
-        "torch==2.13.0",  # the CPU build on this machine's disk; see README
+        "torch==2.13.0",  # the CPU build (download.pytorch.org/whl/cpu) where no GPU is used
         "transformers==5.24.0",
         "gguf==0.19.0",  # transformers reads GGUF checkpoints through it (espo_jax.models.gguf)
         # `bench peers`: TRL's GRPOTrainer on the same workload (with the versions it pulls).
@@ -61,6 +61,7 @@ setuptools.setup(
     description="ESPO / Each Prompt Matters: RL for MoE language models in JAX",
     packages=setuptools.find_packages(include=["espo_jax", "espo_jax.*"]),
     python_requires=">=3.11",
+    license="Apache-2.0",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

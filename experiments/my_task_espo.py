@@ -3,6 +3,13 @@ start on the 1- and 2-digit sums, then RL on all three levels.
 
     python -m espo_jax.main --config experiments/my_task_espo.py --workdir /tmp/my_task
 
+Measured (2026-12-02, 2-core AMD EPYC, run alone; `experiments/results/my_task_summary.json`):
+held-out test accuracy 0.560 -> 0.573 after 40 RL steps (level 1 0.44 -> 0.33, level 2 0.92 ->
+0.96, level 3 0.21 -> 0.21; 150 prompts, so about +-4 points of noise) in 189 s. RL gains
+nothing measurable here at this budget. The lr and the warm start were chosen on the
+validation split (`--config.eval.split=validation`: lr 1e-3 0.327, 3e-4 0.560, 1e-4 0.593 from
+a warm start at 0.593; experiments/results/README.md).
+
 Any task function works the same way from the command line:
 
     python -m espo_jax.main --config experiments/my_task_espo.py --workdir /tmp/t \\
@@ -23,11 +30,12 @@ def get_config(arg: str | None = None):
     c.rollout.max_new_tokens = 6  # "1998" + eos
     c.rollout.prompts_per_step = 32
     c.zve.n_samples = 8
-    c.warmstart.steps = 300
+    c.warmstart.steps = 1000
     c.warmstart.lr = 2e-3
-    c.warmstart.eval_every = 100
+    c.warmstart.eval_every = 250
+    c.train.anchor_coef = 0.3  # the worked answers stay in every update
     c.train.steps = 40
-    c.optim.lr = 3e-4
+    c.optim.lr = 1e-4  # chosen on the validation split (docstring)
     c.eval.num_prompts = 150
     c.eval.every = 20
     c.eval.pass_k = 0

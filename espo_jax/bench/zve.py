@@ -227,7 +227,8 @@ def measure(config: ml_collections.ConfigDict, workdir: str, budget_tokens: int,
             raise FileNotFoundError(
                 f"no checkpoint in {config.checkpoint.init_from} yet (a main job saves its "
                 f"first one at RL step checkpoint.every)")
-        restored = f"{config.checkpoint.init_from} step {step}"
+        # The checkpoint's own name, not the machine's path to it.
+        restored = f"{os.path.basename(os.path.normpath(config.checkpoint.init_from))} step {step}"
     run = SyncRun(config, workdir)
     try:
         t0 = time.perf_counter()
