@@ -259,7 +259,8 @@ class AsyncRun(Run):
                                         lambda n, v=step: self._groups(reader, n, v))
                 self._log_consumed(step + 1, self._read_this_step)
                 zmetrics = step_metrics(result.generated, result.batch,
-                                        zvp_enabled=c.zve.zvp.enabled)
+                                        zvp_enabled=c.zve.zvp.enabled,
+                                        zvp_wrong=c.zve.zvp.wrong_groups)
                 zmetrics.update(online.metrics(result))
                 groups, rewards = groups_and_rewards(result.batch)
                 lags = [step - g.policy_version for g in groups]

@@ -24,19 +24,33 @@ def _flat(values: np.ndarray) -> bool:
     return bool(zero_variance(np.asarray(values, np.float64)[None])[0])
 
 
+def _zvp_covers(g, zvp_enabled: bool, zvp_wrong: bool) -> bool:
+    """Whether RL-ZVP gives group `g` a gradient (`rl.advantages.zvp_signs` is not 0)."""
+    if not zvp_enabled:
+        return False
+    from espo_jax.rl.advantages import zvp_signs
+
+    rewards = np.asarray(g.rewards, np.float64)[None]
+    outcomes = np.asarray(g.outcomes, np.float64)[None]
+    return bool(zvp_signs(rewards, outcomes, zvp_wrong)[0] != 0)
+
+
 def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup], *,
-                 zvp_enabled: bool = False) -> dict[str, float]:
+                 zvp_enabled: bool = False, zvp_wrong: bool = True) -> dict[str, float]:
     """Flat `zve/...` scalars for one step.
 
     Args:
       generated: every group generated for the step (all refill rounds).
       batch: the groups trained on (a subset of `generated`, same objects).
       zvp_enabled: stage 3 on, so zero-variance groups in the batch still carry signal.
+      zvp_wrong: `zve.zvp.wrong_groups`; False: only all-correct zero-variance groups do (an
+        all-wrong one keeps a zero advantage, no gradient).
 
     `zero_variance_frac_before` uses binary outcomes; `..._after_tiebreak` shaped rewards over
     the generated groups; `..._after_filter` shaped rewards over the batch. Wasted rollouts and
     tokens are those of generated groups not trained on, plus those of trained groups without
-    reward contrast (unless RL-ZVP is on). `effective_batch` counts trained groups with signal.
+    reward contrast (unless RL-ZVP gives them one). `effective_batch` counts trained groups with
+    signal.
     """
     batch_ids, generated_ids = {id(g) for g in batch}, {id(g) for g in generated}
     if len(batch_ids) != len(batch) or not batch_ids <= generated_ids:
@@ -50,10 +64,12 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
         zv_outcome += _flat(outcomes)
         flat = _flat(g.rewards)
         zv_reward += flat
-        if id(g) not in batch_ids or (flat and not zvp_enabled):
+        if id(g) not in batch_ids or (flat and not _zvp_covers(g, zvp_enabled, zvp_wrong)):
             wasted_rollouts += len(outcomes)
             wasted_tokens += int(lengths.sum())
     zv_batch = sum(_flat(g.rewards) for g in batch)
+    no_signal = sum(_flat(g.rewards) and not _zvp_covers(g, zvp_enabled, zvp_wrong)
+                    for g in batch)
     n_gen = max(len(generated), 1)
     return {
         "zve/groups_generated": float(len(generated)),
@@ -66,5 +82,5 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
         "zve/wasted_tokens": float(wasted_tokens),
         "zve/wasted_token_frac": wasted_tokens / max(tokens, 1),
         "zve/batch_groups": float(len(batch)),
-        "zve/effective_batch": float(len(batch) if zvp_enabled else len(batch) - zv_batch),
+        "zve/effective_batch": float(len(batch) - no_signal),
     }

@@ -73,13 +73,17 @@ class OnlineFilter:
     `generate(target)` once and returns all of it, so a driver loop is the same either way.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, keep_zero_variance: bool = False):
+    def __init__(self, config: ml_collections.ConfigDict, keep_zero_variance: bool = False,
+                 keep_wrong: bool = True):
         """`config` is the `online_filter` sub-config of `default_zve_config()`;
-        `keep_zero_variance`: zero-variance groups carry signal (RL-ZVP on), drop nothing."""
+        `keep_zero_variance`: zero-variance groups carry signal (RL-ZVP on), drop nothing;
+        without `keep_wrong` (`zve.zvp.wrong_groups=False`) only all-correct ones do, and
+        all-wrong zero-variance groups are dropped as without RL-ZVP."""
         if config.oversample < 1.0 or config.max_refill_rounds < 0:
             raise ValueError(f"OnlineFilter: need oversample >= 1 and max_refill_rounds >= 0, "
                              f"got {config.oversample}, {config.max_refill_rounds}")
         self.config, self.keep_zero_variance = config, bool(keep_zero_variance)
+        self.keep_wrong = bool(keep_wrong)
         self.exhausted = 0  # steps that ran out of refill rounds (cumulative)
         self.steps = 0
         self.keep_rate = 1.0 / config.oversample  # running fraction of groups kept
@@ -88,7 +92,8 @@ class OnlineFilter:
     def for_zve(cls, zve_config: ml_collections.ConfigDict) -> OnlineFilter:
         """Stage 4 as MS-ZVE runs it (`zve_config` = `default_zve_config()`'s shape): RL-ZVP
         gives zero-variance groups signal, so with stage 3 on the filter keeps them."""
-        return cls(zve_config.online_filter, keep_zero_variance=zve_config.zvp.enabled)
+        return cls(zve_config.online_filter, keep_zero_variance=zve_config.zvp.enabled,
+                   keep_wrong=zve_config.zvp.wrong_groups)
 
     def _request(self, missing: int) -> int:
         factor = min(self.config.oversample, 1.0 / max(self.keep_rate, 1e-6))
@@ -100,7 +105,7 @@ class OnlineFilter:
             raise ValueError(f"OnlineFilter.collect: target must be >= 1, got {target}")
         self.steps += 1
         cfg = self.config
-        if not cfg.enabled or self.keep_zero_variance:
+        if not cfg.enabled or (self.keep_zero_variance and self.keep_wrong):
             generated = list(generate(target))
             return CollectResult(batch=generated, generated=generated, rounds=1,
                                  exhausted=False, padded=0, surplus=0)
@@ -112,6 +117,9 @@ class OnlineFilter:
             rounds += 1
             generated += groups
             mask = filter_groups(g.outcomes for g in groups)
+            if self.keep_zero_variance:  # RL-ZVP's all-correct groups carry signal
+                mask |= np.array([bool(np.all(np.asarray(g.outcomes) > 0)) for g in groups],
+                                 dtype=bool)
             kept += [g for g, k in zip(groups, mask, strict=True) if k]
             if groups:
                 self.keep_rate = 0.5 * self.keep_rate + 0.5 * float(mask.mean())

@@ -71,7 +71,8 @@ class ZVEPipeline:
         """One step's training groups (with their rewards) and its flat `zve/...` metrics."""
         result = self.filter.collect(n_groups, lambda n: self._generate(rollout, n))
         metrics = step_metrics(result.generated, result.batch,
-                               zvp_enabled=self.config.zvp.enabled)
+                               zvp_enabled=self.config.zvp.enabled,
+                               zvp_wrong=self.config.zvp.wrong_groups)
         metrics.update(self.scheduler.pop_metrics())
         metrics.update(self.filter.metrics(result))
         return result.batch, metrics

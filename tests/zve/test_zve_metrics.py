@@ -29,6 +29,13 @@ def test_step_metrics_by_hand():
     assert all(type(v) is float for v in m.values())
     m = step_metrics(generated, batch, zvp_enabled=True)  # RL-ZVP: g3 still has signal
     assert m["zve/wasted_tokens"] == 8 and m["zve/effective_batch"] == 3
+    # An all-wrong group trained on: RL-ZVP's -1 sign gives it a gradient only with
+    # wrong_groups; without, its 8 tokens are wasted and it is not effective.
+    wrong = [g0, g1, g2, g3]
+    m = step_metrics(generated, wrong, zvp_enabled=True)
+    assert m["zve/wasted_tokens"] == 0 and m["zve/effective_batch"] == 4
+    m = step_metrics(generated, wrong, zvp_enabled=True, zvp_wrong=False)
+    assert m["zve/wasted_tokens"] == 8 and m["zve/effective_batch"] == 3
     with pytest.raises(ValueError, match="taken from generated"):
         step_metrics([g0], [g1])
     with pytest.raises(ValueError, match="taken from generated"):

@@ -101,3 +101,20 @@ def test_with_rl_zvp_on_the_filter_keeps_zero_variance_groups():
     gen = ScriptedGenerator(informative_per_call=0)  # all-right groups only
     result = flt.collect(3, gen)
     assert flt.keep_zero_variance and gen.requests == [3] and len(result.batch) == 3
+
+
+def test_without_wrong_groups_the_filter_drops_all_wrong_zero_variance_groups():
+    """`zvp.wrong_groups=False`: RL-ZVP leaves all-wrong groups at a zero advantage, so they
+    carry no gradient; the filter drops them (and refills) and keeps the all-correct ones."""
+    cfg = default_zve_config()
+    cfg.online_filter.enabled = cfg.zvp.enabled = True
+    cfg.zvp.wrong_groups = False
+    cfg.online_filter.max_refill_rounds = 0
+    flt = OnlineFilter.for_zve(cfg)
+    script = [_group([1, 1]), _group([0, 0]), _group([1, 0]), _group([0, 0])]
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        cfg.online_filter.pad_with_filtered = False
+        result = OnlineFilter.for_zve(cfg).collect(4, lambda n: script[:n])
+    assert [list(g.outcomes) for g in result.batch] == [[1, 1], [1, 0]]
+    assert not flt.keep_wrong and flt.keep_zero_variance
