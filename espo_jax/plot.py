@@ -6,8 +6,9 @@ each run in one figure and stores the curves it drew in FILE.json.
 Reads WORKDIR/metrics.jsonl (RL and held-out eval records; the warm start has its own step
 axis and is left out). One figure per topic; a topic is drawn when any of its metrics was
 logged: accuracy, per-level accuracy, reward, zero-variance fraction, train-inference mismatch,
-entropy, clipping. A resumed run logs the steps after its last checkpoint twice; the later
-record of a step wins. Reads the file without JAX, so the command starts fast.
+entropy, clipping, ratio tails, ESPO's eps. A resumed run logs the steps after its last
+checkpoint twice; the later record of a step wins. Reads the file without JAX, so the command
+starts fast.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ TOPICS = {
     ),
     "mismatch": ("mismatch/mean_abs_logp", "mismatch/kl_k3", "moe/routing_flip_rate"),
     "entropy": ("entropy/mean",),
-    "clipping": ("pg/clipfrac_low", "pg/clipfrac_high", "pg/clipfrac"),
+    "clipping": ("pg/clipfrac_low", "pg/clipfrac_high", "pg/dual_clip_frac"),
+    # The importance ratio's tails: all 1 with one update per rollout batch.
+    "ratio": ("is_ratio/p01", "is_ratio/p05", "is_ratio/p95", "is_ratio/p99", "tis/weight_p99"),
+    "espo_eps": ("espo/eps_high", "espo/eps_low", "espo/eps_mean"),
 }
 PHASES = ("rl", "eval")
 _OUT = flags.DEFINE_string("out", None, "output folder (default WORKDIR/plots); with --compare "

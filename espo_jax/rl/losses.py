@@ -248,6 +248,14 @@ def _masked_stats(x, mask, prefix, neutral=1.0):
     }
 
 
+def _masked_quantiles(x, mask, prefix, qs, neutral=1.0):
+    """`{prefix}p{100 q}` over valid tokens (`neutral` if none): the ratio's tails."""
+    valid = mask > 0
+    vals = jnp.nanquantile(jnp.where(valid, x, jnp.nan).reshape(-1), jnp.asarray(qs))
+    vals = jnp.where(valid.any(), vals, neutral)
+    return {f"{prefix}p{round(100 * q):02d}": vals[i] for i, q in enumerate(qs)}
+
+
 def _kl(logp, ref_logp, mask, estimator):
     """KL(pi || ref) per token from samples of pi: k1 = -d, k2 = d^2/2, k3 = e^d - d - 1."""
     d = jnp.where(mask > 0, sg(ref_logp) - logp, 0.0)
@@ -270,6 +278,7 @@ def _tis_weights(old_logp, behaviour_logp, mask, level, cap):
     raw = jnp.exp(jnp.minimum(log_w, _LOG_WEIGHT_CAP))
     weights = jnp.exp(jnp.minimum(log_w, math.log(cap)))
     stats = _masked_stats(raw, m, "tis/weight_")
+    stats.update(_masked_quantiles(raw, m, "tis/weight_", (0.99,)))
     stats["tis/truncated_frac"] = ((log_w > math.log(cap)) * m).sum() / jnp.maximum(m.sum(), 1.0)
     return weights, stats
 
@@ -363,6 +372,7 @@ def policy_loss(
     r = sur.ratio
     log_r = _masked_log_ratio(logp, old_logp, m)
     metrics.update(_masked_stats(r, m, "is_ratio/"))
+    metrics.update(_masked_quantiles(r, m, "is_ratio/", (0.01, 0.05, 0.95, 0.99)))
     metrics.update(
         {
             "pg/clipfrac_low": (((adv < 0) & (r < sur.lower)) * m).sum() / n_tok,

@@ -66,6 +66,11 @@ def test_grpo_by_hand(loss):
     assert met["is_ratio/mean"] == pytest.approx((0.7 + 1.1 + 1.3 + 0.7 + 1.1) / 5, rel=1e-6)
     assert met["is_ratio/min"] == pytest.approx(0.7, rel=1e-6)
     assert met["is_ratio/max"] == pytest.approx(1.3, rel=1e-6)
+    # Tails over the 5 valid ratios 0.7 0.7 1.1 1.1 1.3 (linear interpolation, numpy's rule):
+    # p05 at rank 0.2 -> 0.7; p95 at rank 3.8 -> 1.1 + 0.8 * 0.2 = 1.26.
+    assert met["is_ratio/p05"] == pytest.approx(0.7, rel=1e-5)
+    assert met["is_ratio/p95"] == pytest.approx(1.26, rel=1e-5)
+    assert met["is_ratio/p01"] == pytest.approx(0.7, rel=1e-5)
     k3 = [r - 1 - math.log(r) for r in (0.7, 1.1, 1.3, 0.7, 1.1)]
     assert met["pg/approx_kl"] == pytest.approx(sum(k3) / 5, rel=1e-5)
     assert met["pg/num_tokens"] == 5
