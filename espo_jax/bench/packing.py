@@ -32,14 +32,19 @@ from espo_jax.train.batch import pack_sequences
 PROMPT_LEN, NEW_TOKENS = 20, 52
 
 
-def sequences(config, n: int, seed: int = 0):
-    """`n` prompt + response pairs with the default experiment's lengths, recorded routing,
-    behaviour log-probs, advantages."""
+def sequences(config, n: int, *, prompt_len: tuple[int, int] = (8, PROMPT_LEN),
+              response_len: tuple[int, int] = (10, NEW_TOKENS), max_len: int | None = None,
+              seed: int = 0):
+    """`n` random prompt + response pairs (lengths uniform in the inclusive ranges; with
+    `max_len`, responses cut to fit it), recorded routing of distinct experts on every token
+    but the last, behaviour log-probs near -3, normal advantages, no RL-ZVP signs: the
+    arguments of `pack_sequences`. Defaults: the default experiment's lengths."""
     rng = np.random.default_rng(seed)
     prompts, responses, blogps, routings = [], [], [], []
     for _ in range(n):
-        p = rng.integers(3, config.vocab_size, rng.integers(8, PROMPT_LEN + 1))
-        r = rng.integers(3, config.vocab_size, rng.integers(10, NEW_TOKENS + 1))
+        p = rng.integers(3, config.vocab_size, rng.integers(prompt_len[0], prompt_len[1] + 1))
+        r_max = response_len[1] if max_len is None else min(response_len[1], max_len - len(p))
+        r = rng.integers(3, config.vocab_size, rng.integers(response_len[0], r_max + 1))
         route = np.stack([rng.permutation(config.n_experts)[:config.top_k]
                           for _ in range((len(p) + len(r)) * config.n_moe_layers)])
         route = route.reshape(len(p) + len(r), config.n_moe_layers, config.top_k)

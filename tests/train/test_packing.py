@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from espo_jax.bench.packing import sequences
 from espo_jax.models import get_preset, init_params
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rl.losses import LOSSES
@@ -21,20 +22,8 @@ SEQ_LEN, ROWS = 24, 16
 def _sequences(seed=0):
     """12 prompt + response pairs of mixed lengths (some response-less), recorded routing of
     distinct experts on every token but the last, behaviour log-probs near the policy's."""
-    rng = np.random.default_rng(seed)
-    prompts, responses, blogps, routings = [], [], [], []
-    for _ in range(12):
-        p = rng.integers(3, CONFIG.vocab_size, rng.integers(1, 7))
-        r = rng.integers(3, CONFIG.vocab_size, rng.integers(0, SEQ_LEN + 1 - len(p)))
-        route = np.stack([rng.permutation(CONFIG.n_experts)[:CONFIG.top_k]
-                          for _ in range((len(p) + len(r)) * CONFIG.n_moe_layers)])
-        route = route.reshape(len(p) + len(r), CONFIG.n_moe_layers, CONFIG.top_k)
-        route[-1] = -1
-        prompts.append(p), responses.append(r), routings.append(route)
-        blogps.append(rng.normal(-3.0, 0.3, len(r)).astype(np.float32))
-    adv = rng.normal(size=12).astype(np.float32)
-    sign = np.zeros(12, np.float32)
-    return prompts, responses, blogps, routings, adv, sign
+    return sequences(CONFIG, 12, prompt_len=(1, 6), response_len=(0, SEQ_LEN), max_len=SEQ_LEN,
+                     seed=seed)
 
 
 def _batches():
