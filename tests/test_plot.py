@@ -25,8 +25,9 @@ def _write_run(workdir, with_clipping=True):
              "zve/zero_variance_frac_after_filter": 0.2, "zve/wasted_token_frac": 0.5,
              "mismatch/mean_abs_logp": 0.004, "mismatch/kl_k3": None,  # non-finite -> null
              "moe/routing_flip_rate": 0.01, "entropy/mean": 1.5 - 0.1 * step}
-        if with_clipping:
-            r.update({"pg/clipfrac_low": 0.01, "pg/clipfrac_high": 0.02})
+        if with_clipping:  # the off-policy topics: clip fractions, ratio tails, ESPO's eps
+            r.update({"pg/clipfrac_low": 0.01, "pg/clipfrac_high": 0.02,
+                      "is_ratio/p01": 0.9, "is_ratio/p99": 1.1, "espo/eps_mean": 4e-4})
         recs.append(r)
     recs.append({"step": 4, "phase": "eval", "eval/accuracy": 0.5, "eval/accuracy_level1": 0.75,
                  "eval/accuracy_level2": 0.25, "eval/pass_at_k": 0.75})
@@ -69,8 +70,9 @@ def test_topics_without_data_are_skipped_and_torn_lines_reported(tmp_path, capsy
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "phase": "rl", "rollout/acc')  # killed mid-write
     written = plot.plot_run(str(tmp_path), str(tmp_path / "out"))
-    assert "clipping.png" not in {os.path.basename(p) for p in written}
-    assert len(written) == len(plot.TOPICS) - 1
+    off_policy = {"clipping.png", "ratio.png", "espo_eps.png"}
+    assert not off_policy & {os.path.basename(p) for p in written}
+    assert len(written) == len(plot.TOPICS) - len(off_policy)
     assert "metrics.jsonl:10: skipping a malformed line" in capsys.readouterr().err
 
 
