@@ -43,7 +43,6 @@ from espo_jax.rewards.pool import normalize_reward
 from espo_jax.rewards.verifiers import arith_step_credit, verify_arith, verify_math
 
 _CHAR = CharTokenizer()
-SPLITS = ("train", "validation", "test")
 SPLIT_SEED_STRIDE = 1_000_003  # reasoning-gym seeds of a task's splits lie this far apart
 
 
@@ -63,14 +62,6 @@ class Task:
     warm: Sequence[Mapping] | None = None
     name: str = ""
 
-    def split(self, name: str) -> Sequence[Mapping]:
-        if name not in SPLITS:
-            raise ValueError(f"task {self.name!r}: no split {name!r}; splits are {SPLITS}")
-        prompts = getattr(self, name)
-        if not len(prompts):
-            raise ValueError(f"task {self.name!r} has no {name} prompts")
-        return prompts
-
 
 # ---- rewards: (prompt, text) -> outcome / reward; module level, so the pool can pickle them --
 def arith_reward(prompt: Mapping, text: str) -> bool:
@@ -89,10 +80,15 @@ def math_reward(prompt: Mapping, text: str) -> bool:
     return verify_math(text, prompt["answer"], timeout_s=5.0)
 
 
+def _last_line(text: str) -> str | None:
+    """The completion's last non-empty line, stripped (None for an empty completion)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 def exact_reward(prompt: Mapping, text: str) -> bool:
     """The completion's last non-empty line equals `prompt["answer"]` (stripped)."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return bool(lines) and lines[-1] == str(prompt["answer"]).strip()
+    return _last_line(text) == str(prompt["answer"]).strip()
 
 
 NAMED_REWARDS = {"arith": arith_reward, "math": math_reward, "exact": exact_reward}
@@ -200,8 +196,7 @@ class ReasoningGymReward:
         if self.answer_format == "last_number":
             numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
             return numbers[-1] if numbers else None
-        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-        return lines[-1] if lines else None
+        return _last_line(text)
 
     def __call__(self, prompt: Mapping, text: str) -> dict:
         score = float(self._score(self.extract(text), prompt["entry"]))
