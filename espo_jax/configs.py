@@ -62,6 +62,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.data.levels = ((2, 1), (3, 1), (2, 2), (3, 2), (4, 2))  # arith_chains (terms, digits)
     c.data.train_per_level = 2000  # arith_chains problems per level in the train split
     c.data.test_per_level = 200  # arith_chains problems per level in the test split
+    # arith_chains problems per level in the validation split (held out beside test, disjoint
+    # from both train and test; 0: no validation split)
+    c.data.validation_per_level = 200
     c.data.index_hints = False  # arith_chains: letter labels on terms (index hints)
     c.data.rl_prompts = 0  # RL prompt pool: this many train prompts spread over levels (0: all)
     c.data.jsonl_train = ""  # math_jsonl: path of the training JSONL
@@ -167,6 +170,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval.every = 25  # RL steps between held-out evaluations (0: only at start and end)
     c.eval.num_prompts = 256  # held-out prompts (greedy accuracy)
     c.eval.split = "test"  # "validation" while choosing hyperparameters; "test" for final numbers
+    # With split="validation": also evaluate the test split once, after the last RL step
+    # (summary.json `test_accuracy`, `test`), so runs that choose on validation report on test.
+    c.eval.final_test = False
     c.eval.pass_k = 4  # pass@k with sampling at temperature 1 (0: skip)
 
     c.buffer = ml_collections.ConfigDict()
@@ -223,6 +229,7 @@ _BOUNDS = (
     ("data.rl_prompts", 0, True, None),  # 0: every training prompt
     ("data.train_per_level", 1, True, None),
     ("data.test_per_level", 1, True, None),
+    ("data.validation_per_level", 0, True, None),
     ("warmstart.steps", 0, True, None),
     ("warmstart.eval_every", 1, True, None),
     ("warmstart.target_accuracy", 0.0, True, 1.0),
@@ -463,6 +470,7 @@ def apply_small(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     config.model.preset = "tiny"
     config.data.train_per_level = 16
     config.data.test_per_level = 8
+    config.data.validation_per_level = min(config.data.validation_per_level, 8)
     config.warmstart.steps = min(config.warmstart.steps, 2)
     config.warmstart.batch_size = 8
     config.warmstart.eval_every = 2

@@ -119,6 +119,8 @@ def summary_table(summary: Mapping) -> str:
     """The run's summary.json figures as a short two-column table."""
     rows = [("held-out accuracy", f"{summary['warmstart_accuracy']:.3f} -> "
                                   f"{summary['final_accuracy']:.3f}"),
+            *([("test accuracy (end)", f"{summary['test_accuracy']:.3f}")]
+              if "test_accuracy" in summary else []),
             ("RL steps", str(summary["steps"])),
             ("warm-start steps", str(summary.get("warmstart_steps", 0))),
             ("wall time", f"{summary['wall_seconds']:.0f} s (RL {summary['rl_seconds']:.0f} s, "

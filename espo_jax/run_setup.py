@@ -34,6 +34,7 @@ class RunSetup:
     warm_prompts: Sequence[dict]  # warm-start prompts (the easy levels)
     eval_prompts: Sequence[dict]  # held-out prompts of config.eval.split
     hf_params: dict | None = None  # initial weights from a Hugging Face directory
+    test_prompts: Sequence[dict] = ()  # with eval.final_test: test prompts for the end
 
 
 def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
@@ -52,10 +53,12 @@ def balanced_subset(prompts: Sequence[dict], n: int, seed: int) -> list[dict]:
 
 
 def prompt_sets(config: ml_collections.ConfigDict, workdir: str, tokenizer
-                ) -> tuple[tasks.Task, Sequence[dict], Sequence[dict], list[dict]]:
-    """(task, RL pool, warm-start prompts, evaluation prompts) of a run: the task's sources, the
-    RL pool cut to `data.rl_prompts`, the evaluation set (split `eval.split`) to
-    `eval.num_prompts`, spread over levels. Every worker and the learner see the same lists."""
+                ) -> tuple[tasks.Task, Sequence[dict], Sequence[dict], list[dict], list[dict]]:
+    """(task, RL pool, warm-start prompts, evaluation prompts, final test prompts) of a run: the
+    task's sources, the RL pool cut to `data.rl_prompts`, the evaluation set (split
+    `eval.split`) to `eval.num_prompts`, spread over levels, and with `eval.final_test` (and
+    split "validation") as many test prompts (else none). Every worker and the learner see the
+    same lists."""
     task, splits = tasks.prompt_sources(config, workdir, tokenizer)
     train = splits["train"]
     if not len(train):
@@ -73,7 +76,12 @@ def prompt_sets(config: ml_collections.ConfigDict, workdir: str, tokenizer
                              "prompts; set --config.warmstart.steps=0 --config.train.anchor_coef"
                              "=0")
     eval_prompts = balanced_subset(held_out, config.eval.num_prompts, seed=config.seed)
-    return task, train, splits["warm"], eval_prompts
+    test: list[dict] = []
+    if config.eval.final_test and config.eval.split != "test":
+        if not len(splits["test"]):
+            raise ValueError(f"task {task.name!r} has no test prompts (config.eval.final_test)")
+        test = balanced_subset(splits["test"], config.eval.num_prompts, seed=config.seed)
+    return task, train, splits["warm"], eval_prompts, test
 
 
 def worker_share(prompts: Sequence[dict], index: int, num_workers: int) -> list[dict]:
@@ -160,8 +168,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     sharding.validate_divisibility(model_config, mesh, rules)
     if not distributed.is_primary():  # process 0 prepares the TFDS data, the others wait
         distributed.sync("prompt_sources")
-    task, train, warm, eval_prompts = prompt_sets(config, workdir, tokenizer)
+    task, train, warm, eval_prompts, test = prompt_sets(config, workdir, tokenizer)
     if distributed.is_primary():
         distributed.sync("prompt_sources")
     return RunSetup(config, workdir, model_config, tokenizer, mesh, rules, task, train, warm,
-                    eval_prompts, hf_params)
+                    eval_prompts, hf_params, test)

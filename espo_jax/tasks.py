@@ -131,20 +131,23 @@ def data_dir(config, workdir: str) -> str:
 
 def arith_chains_task(config, workdir: str, tokenizer) -> Task:
     """`arith_chains` (TFDS, prepared under `data_dir`): RL on `data.train_levels`, warm start
-    on `warmstart.levels`, test on `data.eval_levels`."""
+    on `warmstart.levels`, validation and test on `data.eval_levels`."""
     from espo_jax.data import prompts as prompts_lib
     from espo_jax.data.arith_chains import arith_chains_config
 
     dcfg = arith_chains_config(levels=tuple(tuple(lv) for lv in config.data.levels),
                                train_per_level=config.data.train_per_level,
                                test_per_level=config.data.test_per_level, seed=config.seed,
-                               index_hints=config.data.index_hints)
+                               index_hints=config.data.index_hints,
+                               validation_per_level=config.data.validation_per_level)
     src = functools.partial(prompts_lib.arith_chains_source, data_dir(config, workdir),
                             tokenizer=tokenizer, config=dcfg)
     credit = config.zve.tie_break.wrong_score == "step_credit"
     return Task(reward=arith_credit_reward if credit else arith_reward,
                 train=src("train", levels=config.data.train_levels),
                 test=src("test", levels=config.data.eval_levels),
+                validation=(src("validation", levels=config.data.eval_levels)
+                            if config.data.validation_per_level else ()),
                 warm=src("train", levels=config.warmstart.levels), name="arith_chains")
 
 

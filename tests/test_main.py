@@ -73,7 +73,9 @@ def test_default_console_is_short_and_the_log_file_keeps_everything(tmp_path):
     """At the default verbosity: progress bars, espo_jax's messages and the summary table on
     the console; orbax's INFO records (hundreds per run) only in WORKDIR/log.txt."""
     workdir = tmp_path / "run"
-    proc = _main("--workdir", str(workdir), "--config.train.steps=3")
+    # Chosen on validation, reported on test: validation during the run, test once at the end.
+    proc = _main("--workdir", str(workdir), "--config.train.steps=3",
+                 "--config.eval.split=validation", "--config.eval.final_test=True")
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = (proc.stdout + proc.stderr).splitlines()
     assert len(console) < 40, "\n".join(console)
@@ -83,6 +85,12 @@ def test_default_console_is_short_and_the_log_file_keeps_everything(tmp_path):
     assert "held-out accuracy" in text and "summary.json" in text
     log = (workdir / "log.txt").read_text()
     assert "checkpoint_manager.py" in log and "RL step 3/3" in log
+    assert "on 8 validation prompts" in log and "test accuracy after 3 RL steps" in log
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert "test accuracy (end)" in text
+    assert summary["test_accuracy"] == summary["test"]["eval/accuracy"]
+    evals = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "test/accuracy" in r] == [3]
 
 
 def test_console_filter_keeps_warnings_and_espo_jax_info():

@@ -27,10 +27,14 @@ hints 5-6% (it still finds the first term by distance); see the README's results
 Problems come from `reasoning-gym`'s `chain_sum` generator (seeded: item i of a level is drawn
 with `random.Random(level_seed + i)`); only its expression is used, because its question text
 ("State the final answer to the following arithmetic problem: ...") is 60 characters of
-boilerplate that a character model would have to read on every prompt. Train and test are
-disjoint by construction: a problem belongs to the test split when a hash of its expression
-falls in 1 / `test_modulus` of the hash space; duplicates inside a split are dropped. Small levels
-(2 one-digit terms: 200 distinct problems) therefore yield fewer examples than asked for.
+boilerplate that a character model would have to read on every prompt. Train and the held-out
+splits are disjoint by construction: a problem is held out when a hash of its expression falls
+in 1 / `test_modulus` of the hash space; duplicates inside a split are dropped. Of the held-out
+problems of a level, in generation order, the first `test_per_level` form the test split and
+the next `validation_per_level` the validation split (where hyperparameters are chosen), so
+adding a validation split changes neither train nor test. Small levels (2 one-digit terms: 200
+distinct problems, ~20 held out) therefore yield fewer examples than asked for, and their
+validation split may be empty.
 
 Preparation is offline and needs no TensorFlow; read with `builder.as_data_source()`.
 """
@@ -64,9 +68,10 @@ class ArithChainsConfig(tfds.core.BuilderConfig):
     levels: tuple[tuple[int, ...], ...] = DEFAULT_LEVELS
     train_per_level: int = 2000
     test_per_level: int = 200
-    test_modulus: int = 10  # 1 in test_modulus distinct problems is held out for test
+    test_modulus: int = 10  # 1 in test_modulus distinct problems is held out (test, validation)
     seed: int = 0
     index_hints: bool = False  # letter labels on terms (see the module docstring)
+    validation_per_level: int = 0  # held-out problems after the test split's (0: no split)
 
 
 def arith_chains_config(
@@ -76,6 +81,7 @@ def arith_chains_config(
     test_modulus: int = 10,
     seed: int = 0,
     index_hints: bool = False,
+    validation_per_level: int = 0,
 ) -> ArithChainsConfig:
     """A config whose name is a digest of its fields, so each content has its own directory.
 
@@ -96,15 +102,19 @@ def arith_chains_config(
         if index_hints and terms > len(_LABELS):
             raise ValueError(f"arith_chains: index_hints label at most {len(_LABELS)} terms, "
                              f"a level has {terms}")
-    if train_per_level < 0 or test_per_level < 0:
+    if min(train_per_level, test_per_level, validation_per_level) < 0:
         raise ValueError(f"arith_chains: sizes must be >= 0, got train_per_level="
-                         f"{train_per_level}, test_per_level={test_per_level}")
+                         f"{train_per_level}, test_per_level={test_per_level}, "
+                         f"validation_per_level={validation_per_level}")
     if test_modulus < 2:
         raise ValueError(f"arith_chains: test_modulus must be >= 2, got {test_modulus}")
     fields = dict(levels=levels, train_per_level=train_per_level, test_per_level=test_per_level,
                   test_modulus=test_modulus, seed=seed)
-    if index_hints:  # absent when off, so the names of existing prepared datasets do not change
+    # Absent when off, so the names of existing prepared datasets do not change.
+    if index_hints:
         fields["index_hints"] = True
+    if validation_per_level:
+        fields["validation_per_level"] = validation_per_level
     digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
     return ArithChainsConfig(name=f"c{digest}", description=json.dumps(fields), **fields)
 
@@ -180,7 +190,11 @@ def level_examples(level: int, terms: int, digits: int, split: str,
     # reasoning-gym imports all its task families (~3 s): only preparation pays for it.
     from reasoning_gym.arithmetic.chain_sum import ChainSumConfig, ChainSumDataset
 
-    wanted = config.train_per_level if split == "train" else config.test_per_level
+    # Held-out problems in generation order: test takes the first test_per_level, validation
+    # the next validation_per_level.
+    skip = config.test_per_level if split == "validation" else 0
+    wanted = {"train": config.train_per_level, "test": config.test_per_level,
+              "validation": config.validation_per_level}[split] + skip
     gen = ChainSumDataset(ChainSumConfig(
         min_terms=terms, max_terms=terms, min_digits=digits, max_digits=digits,
         allow_negation=False, seed=(config.seed * 100 + level) * _LEVEL_SEED_STRIDE,
@@ -191,9 +205,11 @@ def level_examples(level: int, terms: int, digits: int, split: str,
         expression = gen[i]["metadata"]["expression"]
         if max_operand is not None:
             expression = cap_operands(expression, max_operand)
-        if expression in seen or _in_test(expression, config.test_modulus) != (split == "test"):
+        if expression in seen or _in_test(expression, config.test_modulus) != (split != "train"):
             continue
         seen.add(expression)
+        if len(seen) <= skip:
+            continue
         if config.index_hints:
             prompt, solution, value = hinted_problem(
                 expression, _hint_start(expression, terms, config.seed))
@@ -206,7 +222,7 @@ def level_examples(level: int, terms: int, digits: int, split: str,
                                  f"reasoning-gym says {gen[i]['answer']}")
         out.append(dict(prompt_id=f"L{level}:{prompt}", prompt=prompt, solution=solution,
                         answer=str(value), level=level, num_terms=terms, num_digits=digits))
-        if len(out) == wanted:
+        if len(out) == wanted - skip:
             break
     return out
 
@@ -235,7 +251,9 @@ class ArithChains(OfflineBuilder):
 
     def _split_generators(self, dl_manager):
         del dl_manager  # nothing to download
-        return {split: self._generate_examples(split) for split in ("train", "test")}
+        splits = ("train", "test") + (("validation",) if self.builder_config.validation_per_level
+                                      else ())
+        return {split: self._generate_examples(split) for split in splits}
 
     def _generate_examples(self, split: str):
         for level, (terms, digits, *cap) in enumerate(self.builder_config.levels, start=1):

@@ -509,7 +509,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
                          f"the {num_workers} workers (each samples prompts_per_step / "
                          "num_workers prompts per batch)")
     tokenizer = run_setup.load_run_tokenizer(config)
-    task, train, _, _ = run_setup.prompt_sets(config, workdir, tokenizer)
+    task, train, *_ = run_setup.prompt_sets(config, workdir, tokenizer)
     mine = run_setup.worker_share(train, index, num_workers)
     scheduler = PromptScheduler(mine, config.zve, seed=config.seed * 1000 + index)
     sampling = SamplingConfig(r.temperature, r.top_k, r.top_p, r.max_new_tokens,

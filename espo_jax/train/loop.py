@@ -180,6 +180,13 @@ class Run:
         self.logger.write(meta["rl_step"], final, phase="eval")
         logging.info("held-out accuracy after %d RL steps: %.3f", meta["rl_step"],
                      final["eval/accuracy"])
+        test = {}
+        if self.setup.test_prompts:  # eval.final_test: chosen on validation, reported on test
+            test = self.evaluate(state.params, self.setup.test_prompts)
+            self.logger.write(meta["rl_step"], {k.replace("eval/", "test/"): v
+                                                for k, v in test.items()}, phase="eval")
+            logging.info("test accuracy after %d RL steps: %.3f on %d prompts", meta["rl_step"],
+                         test["eval/accuracy"], len(self.setup.test_prompts))
         generated = meta["generated_tokens"] + meta["offline_tokens"]
         summary = {
             "warmstart_accuracy": meta["warmstart"].get("eval/accuracy", 0.0),
@@ -200,6 +207,7 @@ class Run:
             "skipped_updates": int(jax.device_get(state.skipped)),
             "warmstart": meta["warmstart"],
             "final": final,
+            **({"test_accuracy": test["eval/accuracy"], "test": test} if test else {}),
             **self.extra_summary,
         }
         if distributed.is_primary():

@@ -90,6 +90,38 @@ def test_small_level_is_exhausted_not_padded():
     assert 100 < len(train) < 200 and len({e["prompt"] for e in train}) == len(train)
 
 
+def test_validation_split_is_held_out_and_leaves_train_and_test_alone(tmp_path):
+    levels = ((2, 1), (3, 1))
+    with_val = arith_chains_config(levels=levels, train_per_level=50, test_per_level=30,
+                                   validation_per_level=25)
+    without = arith_chains_config(levels=levels, train_per_level=50, test_per_level=30)
+    assert with_val.name != without.name
+    builder = prepare(ArithChains, tmp_path, with_val)
+    train, test, val = (_records(builder, s) for s in ("train", "test", "validation"))
+    # Train and test are those of the config without a validation split, record for record
+    # (TFDS stores a split shuffled by key).
+    def by_id(records):
+        return sorted(records, key=lambda e: e["prompt_id"])
+
+    for split, got in (("train", train), ("test", test)):
+        assert by_id(got) == by_id([e for lv, (t, d) in enumerate(levels, start=1)
+                                    for e in level_examples(lv, t, d, split, without)])
+    assert "validation" not in prepare(ArithChains, tmp_path / "b", without).as_data_source()
+    # Level 1 holds out ~20 of its 200 problems: all go to test, none is left for validation.
+    # Level 2 (3 one-digit terms, 4000 problems, ~400 held out): the 25 held-out problems that
+    # follow the test split's 30 in generation order.
+    level2_held_out = []
+    for ex in level_examples(2, 3, 1, "test", arith_chains_config(
+            levels=levels, train_per_level=0, test_per_level=55)):
+        level2_held_out.append(ex["prompt_id"])
+    assert sorted(e["prompt_id"] for e in val) == sorted(level2_held_out[30:])
+    assert len(val) == 25
+    ids = [{e["prompt_id"] for e in split} for split in (train, test, val)]
+    assert not ids[0] & ids[2] and not ids[1] & ids[2]
+    assert all(_in_test(e["prompt"].rstrip("=").replace("+", " + ").replace("-", " - "), 10)
+               for e in val)
+
+
 def test_hinted_problem_by_hand():
     # running values 4, 4+2 = 6, 6-7 = -1, -1-0 = -1; labels f, g, h, i from start 5
     assert hinted_problem("4 + 2 - 7 - 0", 5) == ("f4g+2h-7i-0=", "f4=4,g+2=6,h-7=-1,i-0=-1#-1",
