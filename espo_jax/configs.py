@@ -135,6 +135,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.train.loop = "sync"  # sync (one process, on-policy) or async (learner + worker processes)
     c.train.steps = 50  # rollout batches (RL steps)
     c.train.updates_per_batch = 1  # minibatch updates per rollout batch
+    # Token budget: RL also stops after the step at which the generated tokens reach this many
+    # (0: off; runs compared "at an equal budget of generated tokens" set it, steps is the cap)
+    c.train.max_tokens = 0
     c.train.micro_batches = 1  # gradient accumulation inside one update
     # Sequence packing: the learner's forward runs on rows holding several sequences each (no
     # compute on padding; the losses see one row per sequence, `espo_jax.train.batch`).
@@ -230,6 +233,7 @@ _BOUNDS = (
     ("data.train_per_level", 1, True, None),
     ("data.test_per_level", 1, True, None),
     ("data.validation_per_level", 0, True, None),
+    ("train.max_tokens", 0, True, None),
     ("warmstart.steps", 0, True, None),
     ("warmstart.eval_every", 1, True, None),
     ("warmstart.target_accuracy", 0.0, True, 1.0),

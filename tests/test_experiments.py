@@ -24,7 +24,7 @@ TASK_MODULES = {"my_task"}
 EXPERIMENTS = sorted(name for name in (os.path.basename(p)[:-3] for p in glob.glob(
     os.path.join(REPO, "experiments", "*.py"))) if not name.endswith("_common")
     and name not in TASK_MODULES)
-ARITH = ("arith_espo", "arith_grpo", "arith_dapo", "arith_gspo")
+ARITH = ("arith_espo", "arith_grpo", "arith_dapo", "arith_gspo", "arith_gspo_token")
 REAL_SCALE = {"qwen3_30b_a3b"}  # full size validated and shaped here; its small variant runs
 # The worker layout's experiments: the keys they change from the default (the workers' count and
 # staleness they set equal the defaults').

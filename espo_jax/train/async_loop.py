@@ -252,7 +252,7 @@ class AsyncRun(Run):
         statuses: list[dict] = []
         progress = console.Progress("RL", c.train.steps)
         try:
-            while step < c.train.steps:
+            while not self.finished(step, meta):
                 t_step = time.time()
                 self._read_this_step = []
                 result = online.collect(c.rollout.prompts_per_step,
@@ -274,6 +274,7 @@ class AsyncRun(Run):
                     flow.write_progress(self.publish_dir, step, reader.cursor)
                     statuses = flow.read_statuses(self.status_dir)
                 self.record_step(meta, step, zmetrics, lmetrics)
+                done = self.finished(step, meta)
                 metrics = {**zmetrics, **lmetrics, **rollout_metrics(groups, rewards),
                            **self._health(reader, statuses),
                            "zve/samples_per_prompt": float(np.mean(
@@ -286,7 +287,7 @@ class AsyncRun(Run):
                            "time/publish_s": t_done - t_publish, "time/step_s": t_done - t_step}
                 failed = failed_reward_fraction([g.group for g in result.generated])
                 metrics["reward/failed_frac"] = failed
-                if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
+                if c.eval.every and step % c.eval.every == 0 and not done:
                     metrics.update(self.evaluate(state.params))
                 self.logger.write(step, metrics, phase="rl")
                 logging.info(
@@ -303,7 +304,7 @@ class AsyncRun(Run):
                                        "workers": metrics["workers/live"],
                                        "s/step": metrics["time/step_s"]})
                 too_many_failed = failed > c.rollout.max_failed_reward_frac
-                if step % c.checkpoint.every == 0 or step == c.train.steps or too_many_failed:
+                if step % c.checkpoint.every == 0 or done or too_many_failed:
                     meta.update(cursor=reader.cursor)
                     self.ckpt.save(step, state, meta)
                     self.ckpt.wait()
@@ -314,7 +315,7 @@ class AsyncRun(Run):
         finally:
             if distributed.is_primary():
                 flow.write_progress(self.publish_dir, step, reader.cursor,
-                                    done=step >= c.train.steps)
+                                    done=self.finished(step, meta))
             codes = stop_workers(list(self.procs.values()))
             reader.close()
         statuses = flow.read_statuses(self.status_dir) if distributed.is_primary() else []

@@ -154,6 +154,15 @@ class Run:
         self.t_rl = time.time()
         return state, meta
 
+    def finished(self, step: int, meta: dict) -> bool:
+        """RL ends after `train.steps` steps, or (with `train.max_tokens` > 0) after the step at
+        which the run's generated tokens (the sync loop's offline pass included; the async
+        learner's count is the tokens it consumed) reach `train.max_tokens`: runs compared at an
+        equal token budget stop at the same spend, whatever their losses make the samples."""
+        budget = self.config.train.max_tokens
+        spent = meta["generated_tokens"] + meta["offline_tokens"]
+        return step >= self.config.train.steps or (budget > 0 and spent >= budget)
+
     def make_learner(self, state, meta) -> Learner:
         """The learner for `state`'s shardings, with the warm-start levels' worked solutions as
         its anchor when `train.anchor_coef` > 0; with `loss.kl_coef` > 0 its reference is the
@@ -277,13 +286,13 @@ class SyncRun(Run):
             generated.extend(read)
             return read
 
-        if step == 0 and c.zve.offline.enabled and c.train.steps > 0:
+        if step == 0 and c.zve.offline.enabled and not self.finished(step, meta):
             self.engine.load_params(state.params)
             _, m = zve.offline_prune(rollout)
             meta["offline_tokens"] += int(m.get("zve/offline_tokens", 0))
             self.logger.write(0, m, phase="rl")
         progress = console.Progress("RL", c.train.steps)
-        while step < c.train.steps:
+        while not self.finished(step, meta):
             t_step = time.time()
             rounds[0] = 0
             generated.clear()
@@ -295,12 +304,13 @@ class SyncRun(Run):
             t_done = time.time()
             step += 1
             self.record_step(meta, step, zmetrics, lmetrics)
+            done = self.finished(step, meta)
             failed = failed_reward_fraction(generated)
             metrics = {**zmetrics, **lmetrics, **self.pool.metrics(),
                        **rollout_metrics(groups, rewards), "reward/failed_frac": failed,
                        "time/step_s": t_done - t_step, "time/rollout_s": t_update - t_step,
                        "time/update_s": t_done - t_update}
-            if c.eval.every and step % c.eval.every == 0 and step < c.train.steps:
+            if c.eval.every and step % c.eval.every == 0 and not done:
                 metrics.update(self.evaluate(state.params))
             self.logger.write(step, metrics, phase="rl")
             logging.info("RL step %d/%d: rollout acc %.3f, zv frac %.2f, %.1f s", step,
@@ -313,7 +323,7 @@ class SyncRun(Run):
                                    **({"held-out acc": metrics["eval/accuracy"]}
                                       if "eval/accuracy" in metrics else {})})
             too_many_failed = failed > c.rollout.max_failed_reward_frac
-            if step % c.checkpoint.every == 0 or step == c.train.steps or too_many_failed:
+            if step % c.checkpoint.every == 0 or done or too_many_failed:
                 meta.update(cursor=reader.cursor, zve=zve.state_dict(),
                             predictor=predictor.state_dict())
                 self.ckpt.save(step, state, meta)

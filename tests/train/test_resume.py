@@ -46,12 +46,12 @@ def _snapshot(dest):
     return str(dest)
 
 
-def _start(workdir, log_name, code):
+def _start(workdir, log_name, code, *extra):
     log = open(os.path.join(os.path.dirname(workdir), log_name), "w")  # noqa: SIM115
     # One CPU device (no fake devices from conftest), as the command runs outside the tests;
     # the snapshot first on the path (python -m puts the working directory first).
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen(_command(workdir, code), cwd=code, stdout=log,
+    return subprocess.Popen(_command(workdir, code) + list(extra), cwd=code, stdout=log,
                             stderr=subprocess.STDOUT, env=env), log
 
 
@@ -73,7 +73,7 @@ def _finish(proc, log, timeout=600):
     return text
 
 
-def _restore(workdir, config, step=STEPS):
+def _restore(workdir, config, step=STEPS, latest=STEPS):
     """Checkpoint `step` of a run, restored into a train state of the run's structure."""
     model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:1])
@@ -81,7 +81,7 @@ def _restore(workdir, config, step=STEPS):
     template = state_lib.create_train_state(
         params, state_lib.make_optimizer(config.optim, config.train.steps), jax.random.key(0))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    assert ckpt.latest_step() == STEPS
+    assert ckpt.latest_step() == latest
     state, meta = ckpt.restore(template, step=step)
     ckpt.close()
     return jax.device_get((state.params, state.opt_state, state.step, state.skipped)), meta
@@ -140,3 +140,16 @@ def test_sigkill_mid_rl_then_rerun_is_bitwise_equal_to_uninterrupted(tmp_path):
     (p_prev, _, _, _), _ = _restore(str(clean_dir), config, step=STEPS - 1)
     assert any(not np.array_equal(a, b) for a, b in
                zip(jax.tree.leaves(p2), jax.tree.leaves(p_prev), strict=True))
+
+    # A token budget equal to what the clean run had generated after step 2 (its offline pass
+    # included) stops the same command after step 2, with step 2's parameters: the budget ends
+    # RL at a spend without changing the steps before it (the schedule still spans STEPS).
+    (p_two, _, _, _), meta_two = _restore(str(clean_dir), config, step=STEPS - 1)
+    budget = meta_two["generated_tokens"] + meta_two["offline_tokens"]
+    budget_dir = tmp_path / "budget"
+    _finish(*_start(budget_dir, "budget.log", code, f"--config.train.max_tokens={budget}"))
+    summary = json.loads((budget_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS - 1 and summary["generated_tokens"] == budget
+    (p3, _, _, _), _ = _restore(str(budget_dir), config, step=STEPS - 1, latest=STEPS - 1)
+    for a, b in zip(jax.tree.leaves(p3), jax.tree.leaves(p_two), strict=True):
+        np.testing.assert_array_equal(a, b)

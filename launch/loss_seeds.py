@@ -1,0 +1,295 @@
+"""The five losses over seeds, on-policy and off-policy, at an equal budget of generated tokens.
+
+    python launch/loss_seeds.py --workdir /tmp/loss_seeds [--seeds=0,1,2] [--jobs=2]
+        [--max_tokens=260000] [--settings=on,off] [--losses=espo,grpo,dapo,gspo,gspo_token]
+
+For each seed S (`--config.seed=S`: the data split seeds, the warm start, the RL sampling):
+
+1. WORKDIR/warm/seedS: the supervised warm start of `experiments/arith_espo.py` alone
+   (`train.steps=0`), evaluated on validation and test.
+2. WORKDIR/SETTING/LOSS/seedS: RL with `experiments/arith_LOSS.py` from that warm start
+   (`checkpoint.init_from`), until `--max_tokens` generated tokens (`train.max_tokens`, the
+   stage-0 pass included; `train.steps` is only a cap), evaluated on the validation split every
+   `--eval_every` steps and once on the test split at the end (`eval.final_test`). Setting `on`:
+   one update per rollout batch (the recipe, ratios 1); `off`: `--off_updates` minibatch updates
+   per batch (ratios depart from 1 and the clips act).
+
+Runs are seed-major (every loss of seed 0, then seed 1, ...), so a stopped launch leaves whole
+seeds. Every run is a real main job (a subprocess, its log in WORKDIR/.../log.txt and
+WORKDIR/logs/); a finished run (its summary.json present) is not run again, so the same command
+resumes. It writes WORKDIR/loss_seeds.json (every run's numbers, the aggregates, the commit,
+the CPU, the flags), WORKDIR/loss_seeds.md (the README's table) and WORKDIR/loss_seeds.png
+(validation accuracy against RL step, mean and min-max band over seeds). Only the test split's
+numbers are reported; validation is where settings are chosen.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSSES = ("espo", "grpo", "dapo", "gspo", "gspo_token")
+SETTINGS = ("on", "off")
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "one subdirectory per run, and the results")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds (each with its own warm start)")
+_LOSSES = flags.DEFINE_list("losses", list(LOSSES), "losses (experiments/arith_LOSS.py)")
+_SETTINGS = flags.DEFINE_list("settings", list(SETTINGS), "on: 1 update per batch; off: several")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 260_000, "generated tokens per RL run")
+_MAX_STEPS = flags.DEFINE_integer("max_steps", 120, "RL steps at most (the schedule's length)")
+_OFF_UPDATES = flags.DEFINE_integer("off_updates", 4, "minibatch updates per batch, setting off")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 6, "RL steps between validation evaluations")
+_JOBS = flags.DEFINE_integer("jobs", 1, "main jobs at a time (they share the CPU)", lower_bound=1)
+_SMALL = flags.DEFINE_bool("small", False, "the experiments' small variants: a smoke test")
+_OVERRIDE = flags.DEFINE_multi_string("override", [], "x.y=v: --config.x.y=v for every run")
+flags.mark_flag_as_required("workdir")
+
+
+def _summary(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_main(run_dir: str, experiment: str, run_flags: list[str], small: bool, logs: str) -> dict:
+    """One main job in `run_dir` (skipped when its summary exists); returns its summary."""
+    done = _summary(run_dir)
+    name = os.path.relpath(run_dir, os.path.dirname(logs))
+    if done is not None:
+        print(f"[{name}] already finished", flush=True)
+        return done
+    cmd = [sys.executable, "-m", "espo_jax.main", "--config",
+           os.path.join(REPO, "experiments", f"{experiment}.py" + (":small" if small else "")),
+           "--workdir", run_dir, *run_flags]
+    log_path = os.path.join(logs, name.replace(os.sep, "_") + ".log")
+    print(f"[{name}] started (log: {log_path})", flush=True)
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"[{name}] exited with {proc.returncode}; see {log_path}")
+    summary = _summary(run_dir)
+    print(f"[{name}] done in {time.time() - start:.0f} s: test accuracy "
+          f"{summary['test_accuracy']:.3f}", flush=True)
+    return summary
+
+
+def common_flags(seed: int, eval_every: int) -> list[str]:
+    return [f"--config.seed={seed}", "--config.eval.split=validation",
+            "--config.eval.final_test=True", f"--config.eval.every={eval_every}"]
+
+
+def rl_flags(setting: str, warm_dir: str, max_tokens: int, max_steps: int,
+             off_updates: int) -> list[str]:
+    return [f"--config.checkpoint.init_from={os.path.join(warm_dir, 'warmstart')}",
+            f"--config.train.max_tokens={max_tokens}", f"--config.train.steps={max_steps}",
+            f"--config.train.updates_per_batch={1 if setting == 'on' else off_updates}"]
+
+
+def validation_curve(run_dir: str) -> list[tuple[int, float]]:
+    """(RL step, validation accuracy) of every evaluation of a run, in order."""
+    curve = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("eval/accuracy") is not None and r["phase"] in ("rl", "eval"):
+                if not curve or curve[-1][0] != r["step"]:
+                    curve.append((r["step"], r["eval/accuracy"]))
+    return curve
+
+
+def clip_stats(run_dir: str) -> dict[str, float]:
+    """Means over RL steps of the clip fractions and ratio tails (what says the clips acted)."""
+    keys = ("pg/clipfrac_low", "pg/clipfrac_high", "is_ratio/p01", "is_ratio/p99",
+            "espo/eps_mean")
+    sums: dict[str, list[float]] = {k: [] for k in keys}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["phase"] == "rl" and r["step"] > 0:
+                for k in keys:
+                    if r.get(k) is not None:
+                        sums[k].append(r[k])
+    return {k: statistics.fmean(v) for k, v in sums.items() if v}
+
+
+def mean_std(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values),
+            "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def aggregate(runs: dict, warm: dict) -> dict:
+    """Per setting and loss: test accuracy and its gain over the seed's warm start, mean +- std
+    (sample std over seeds) and every seed; tokens, steps and RL seconds."""
+    out: dict = {}
+    for setting, by_loss in runs.items():
+        for loss, by_seed in by_loss.items():
+            seeds = sorted(by_seed)
+            out.setdefault(setting, {})[loss] = {
+                "seeds": seeds,
+                "test_accuracy": mean_std([by_seed[s]["test_accuracy"] for s in seeds]),
+                "test_gain": mean_std([by_seed[s]["test_accuracy"] - warm[s]["test_accuracy"]
+                                       for s in seeds]),
+                "validation_accuracy": mean_std([by_seed[s]["final_accuracy"] for s in seeds]),
+                "generated_tokens": mean_std([by_seed[s]["generated_tokens"] for s in seeds]),
+                "steps": mean_std([by_seed[s]["steps"] for s in seeds]),
+                "rl_seconds": mean_std([by_seed[s]["rl_seconds"] for s in seeds]),
+            }
+    return out
+
+
+def table(agg: dict, warm: dict) -> str:
+    """Markdown: one row per loss, test accuracy (mean +- std, then each seed) per setting."""
+    seeds = sorted(warm)
+    start = [warm[s]["test_accuracy"] for s in seeds]
+    settings = list(agg)
+    head = ["loss"] + [f"{s}-policy: test acc (mean +- std) / each seed / gain" for s in settings]
+    head += [f"{s}: RL steps, RL s" for s in settings]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines.append("| warm start | " + " | ".join(
+        [f"{statistics.fmean(start):.3f} +- {statistics.stdev(start) if len(start) > 1 else 0:.3f}"
+         f" / {' '.join(f'{v:.3f}' for v in start)} / -"] * len(settings)
+        + ["-"] * len(settings)) + " |")
+    losses = list(dict.fromkeys(loss for s in settings for loss in agg[s]))
+    for loss in losses:
+        cells, costs = [], []
+        for s in settings:
+            a = agg[s].get(loss)
+            if a is None:
+                cells.append("-")
+                costs.append("-")
+                continue
+            acc, gain = a["test_accuracy"], a["test_gain"]
+            cells.append(f"{acc['mean']:.3f} +- {acc['std']:.3f} / "
+                         f"{' '.join(f'{v:.3f}' for v in acc['values'])} / "
+                         f"{100 * gain['mean']:+.1f} +- {100 * gain['std']:.1f} pts")
+            costs.append(f"{a['steps']['mean']:.1f}, {a['rl_seconds']['mean']:.0f}")
+        lines.append(f"| {loss} | " + " | ".join(cells + costs) + " |")
+    return "\n".join(lines)
+
+
+def plot(curves: dict, path: str) -> None:
+    """Validation accuracy against RL step per setting: each loss's mean over seeds, with the
+    min-max band of its seeds, at the steps every seed evaluated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.2), squeeze=False)
+    for ax, (setting, by_loss) in zip(axes[0], curves.items(), strict=True):
+        for loss, by_seed in by_loss.items():
+            steps = sorted(set.intersection(*(set(dict(c)) for c in by_seed.values())))
+            ys = np.array([[dict(c)[t] for t in steps] for c in by_seed.values()])
+            line, = ax.plot(steps, ys.mean(0), marker="o", ms=3, label=f"{loss} ({len(ys)})")
+            ax.fill_between(steps, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
+        ax.set_title(f"{setting}-policy ({'1 update' if setting == 'on' else 'several updates'}"
+                     " per rollout batch)")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("validation greedy accuracy")
+        ax.legend(fontsize=8, title="loss (seeds)")
+        ax.grid(alpha=0.3)
+    fig.suptitle("arith_chains: mean over seeds, band = min-max of the seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "espo_jax", "experiments"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return out.stdout.strip() + ("+uncommitted" if dirty else "")
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    for loss in _LOSSES.value:
+        if loss not in LOSSES:
+            raise app.UsageError(f"--losses: {loss!r} is not one of {LOSSES}")
+    for setting in _SETTINGS.value:
+        if setting not in SETTINGS:
+            raise app.UsageError(f"--settings: {setting!r} is not one of {SETTINGS}")
+    workdir = os.path.abspath(_WORKDIR.value)
+    logs = os.path.join(workdir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    extra = [f"--config.{o}" for o in _OVERRIDE.value]
+    seeds = [int(s) for s in _SEEDS.value]
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    warm, runs, curves, clips = {}, {}, {}, {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_JOBS.value) as pool:
+        for seed in seeds:
+            warm_dir = os.path.join(workdir, "warm", f"seed{seed}")
+            warm[seed] = run_main(warm_dir, "arith_espo", common_flags(seed, 0) + extra
+                                  + ["--config.train.steps=0"], _SMALL.value, logs)
+            jobs = {}
+            for setting in _SETTINGS.value:
+                for loss in _LOSSES.value:
+                    run_dir = os.path.join(workdir, setting, loss, f"seed{seed}")
+                    run_flags = (common_flags(seed, _EVAL_EVERY.value) + extra
+                                 + rl_flags(setting, warm_dir, _MAX_TOKENS.value,
+                                            _MAX_STEPS.value, _OFF_UPDATES.value))
+                    jobs[setting, loss, run_dir] = pool.submit(
+                        run_main, run_dir, f"arith_{loss}", run_flags, _SMALL.value, logs)
+            for (setting, loss, run_dir), future in jobs.items():
+                runs.setdefault(setting, {}).setdefault(loss, {})[seed] = future.result()
+                curves.setdefault(setting, {}).setdefault(loss, {})[seed] = \
+                    validation_curve(run_dir)
+                clips.setdefault(setting, {}).setdefault(loss, {})[seed] = clip_stats(run_dir)
+    agg = aggregate(runs, warm)
+    text = table(agg, warm)
+    print(text)
+    with open(os.path.join(workdir, "loss_seeds.md"), "w") as f:
+        f.write(text + "\n")
+    trim = ("warmstart_accuracy", "final_accuracy", "test_accuracy", "steps", "generated_tokens",
+            "wasted_token_fraction", "mean_abs_logp_mismatch", "rl_seconds", "skipped_updates",
+            "test", "final")
+    result = {
+        "commit": _commit(), "started": started, "cpu": _cpu(), "jobs": _JOBS.value,
+        "flags": {"max_tokens": _MAX_TOKENS.value, "max_steps": _MAX_STEPS.value,
+                  "off_updates": _OFF_UPDATES.value, "eval_every": _EVAL_EVERY.value,
+                  "small": _SMALL.value, "override": extra},
+        "warm": {s: {k: w[k] for k in ("test_accuracy", "final_accuracy", "warmstart_seconds",
+                                        "test") if k in w} for s, w in warm.items()},
+        "aggregate": agg,
+        "runs": {st: {lo: {s: {**{k: r[k] for k in trim if k in r},
+                                "clip_means": clips[st][lo][s],
+                                "validation_curve": curves[st][lo][s]}
+                            for s, r in by_seed.items()} for lo, by_seed in by_loss.items()}
+                 for st, by_loss in runs.items()},
+    }
+    with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    plot(curves, os.path.join(workdir, "loss_seeds.png"))
+    print(f"written: {workdir}/loss_seeds.md, loss_seeds.json, loss_seeds.png")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
