@@ -242,26 +242,35 @@ def main(argv: list[str]) -> int:
     extra = [f"--config.{o}" for o in _OVERRIDE.value]
     seeds = [int(s) for s in _SEEDS.value]
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    warm, runs, curves, clips = {}, {}, {}, {}
+    runs, curves, clips = {}, {}, {}
+    # Warm starts first (they are what every run of a seed waits for), then the RL runs
+    # seed-major; a run waits for its seed's warm start inside its pool slot (FIFO: that warm
+    # start was submitted earlier, so it is running or done).
     with concurrent.futures.ThreadPoolExecutor(max_workers=_JOBS.value) as pool:
+        warm_dirs = {seed: os.path.join(workdir, "warm", f"seed{seed}") for seed in seeds}
+        warm_jobs = {seed: pool.submit(run_main, warm_dirs[seed], "arith_espo",
+                                       common_flags(seed, 0) + extra + ["--config.train.steps=0"],
+                                       _SMALL.value, logs) for seed in seeds}
+
+        def rl_run(seed, run_dir, experiment, run_flags):
+            warm_jobs[seed].result()
+            return run_main(run_dir, experiment, run_flags, _SMALL.value, logs)
+
+        jobs = {}
         for seed in seeds:
-            warm_dir = os.path.join(workdir, "warm", f"seed{seed}")
-            warm[seed] = run_main(warm_dir, "arith_espo", common_flags(seed, 0) + extra
-                                  + ["--config.train.steps=0"], _SMALL.value, logs)
-            jobs = {}
             for setting in _SETTINGS.value:
                 for loss in _LOSSES.value:
                     run_dir = os.path.join(workdir, setting, loss, f"seed{seed}")
                     run_flags = (common_flags(seed, _EVAL_EVERY.value) + extra
-                                 + rl_flags(setting, warm_dir, _MAX_TOKENS.value,
+                                 + rl_flags(setting, warm_dirs[seed], _MAX_TOKENS.value,
                                             _MAX_STEPS.value, _OFF_UPDATES.value))
-                    jobs[setting, loss, run_dir] = pool.submit(
-                        run_main, run_dir, f"arith_{loss}", run_flags, _SMALL.value, logs)
-            for (setting, loss, run_dir), future in jobs.items():
-                runs.setdefault(setting, {}).setdefault(loss, {})[seed] = future.result()
-                curves.setdefault(setting, {}).setdefault(loss, {})[seed] = \
-                    validation_curve(run_dir)
-                clips.setdefault(setting, {}).setdefault(loss, {})[seed] = clip_stats(run_dir)
+                    jobs[seed, setting, loss, run_dir] = pool.submit(
+                        rl_run, seed, run_dir, f"arith_{loss}", run_flags)
+        warm = {seed: job.result() for seed, job in warm_jobs.items()}
+        for (seed, setting, loss, run_dir), future in jobs.items():
+            runs.setdefault(setting, {}).setdefault(loss, {})[seed] = future.result()
+            curves.setdefault(setting, {}).setdefault(loss, {})[seed] = validation_curve(run_dir)
+            clips.setdefault(setting, {}).setdefault(loss, {})[seed] = clip_stats(run_dir)
     agg = aggregate(runs, warm)
     text = table(agg, warm)
     print(text)
