@@ -67,12 +67,35 @@ def rollout_metrics(groups: Sequence[Any], rewards: Sequence[Any]) -> dict[str, 
     if rewards.size != len(responses):
         raise ValueError(f"rollout_metrics: {rewards.size} rewards for {len(responses)} "
                          f"responses")
-    return {
+    out = {
         "rollout/accuracy": float(np.mean([bool(r.outcome) for r in responses])),
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_max": float(rewards.max()),
         "rollout/response_len_mean": float(np.mean([r.length for r in responses])),
     }
+    outcomes = np.array([float(bool(r.outcome)) for r in responses])
+    if not np.array_equal(rewards, outcomes):  # a score is mixed in (stage 2, a task's reward)
+        out["reward/inversion_rate"] = inversion_rate(groups, rewards)
+    return out
+
+
+def inversion_rate(groups: Sequence[Any], rewards: np.ndarray) -> float:
+    """Fraction of (right i, wrong j) pairs of one group with reward_j >= reward_i, over all
+    groups (0 when no group mixes right and wrong); `rewards` is the groups' rewards in order.
+    Every group-relative advantage (`espo_jax.rl.advantages`) is strictly increasing in the
+    reward inside a group, so this is `reward_adjust.inversion_rate` of the advantages the
+    learner trains on, for groups of any size."""
+    pairs = inverted = 0
+    start = 0
+    for g in groups:
+        r = rewards[start:start + len(g.responses)]
+        start += len(g.responses)
+        right = np.array([bool(x.outcome) for x in g.responses])
+        if right.any() and not right.all():
+            rr, rw = r[right][:, None], r[~right][None, :]
+            pairs += rr.size * rw.size
+            inverted += int((rw >= rr).sum())
+    return inverted / max(pairs, 1)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

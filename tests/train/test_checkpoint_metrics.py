@@ -10,9 +10,11 @@ import pytest
 
 from espo_jax import configs
 from espo_jax.buffer.records import Response, RolloutGroup
+from espo_jax.rewards import reward_adjust
+from espo_jax.rl.advantages import ADVANTAGES
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
-from espo_jax.train.metrics import MetricLogger, read_jsonl, rollout_metrics
+from espo_jax.train.metrics import MetricLogger, inversion_rate, read_jsonl, rollout_metrics
 
 
 def _state(seed):
@@ -87,8 +89,38 @@ def test_rollout_metrics_by_hand():
     m = rollout_metrics(groups, [np.array([1.0, 0.0]), np.array([0.9, 1.0, -0.5])])
     # 3 of 5 right; rewards sum 1 + 0 + 0.9 + 1 - 0.5 = 2.4 -> mean 0.48, max 1.0;
     # lengths 4 + 6 + 2 + 2 + 6 = 20 -> mean 4.
+    # The rewards are not the outcomes (a score is mixed in), so the inversion rate is logged:
+    # no wrong response is rewarded at or above a right one of its group.
     assert m == {"rollout/accuracy": 0.6, "rollout/reward_mean": pytest.approx(0.48),
-                 "rollout/reward_max": 1.0, "rollout/response_len_mean": 4.0}
+                 "rollout/reward_max": 1.0, "rollout/response_len_mean": 4.0,
+                 "reward/inversion_rate": 0.0}
+    # Rewards equal to the outcomes: nothing mixed in, no inversion metric.
+    assert "reward/inversion_rate" not in rollout_metrics(
+        groups, [np.array([1.0, 0.0]), np.array([1.0, 1.0, 0.0])])
+    # A score that lifts a wrong response: group 1 has the pair (right 0.2, wrong 0.5),
+    # inverted; group 2 the pairs (0.9, 0.9) (a tie counts: A_j >= A_i) and (1.0, 0.9): 2 of
+    # 3 pairs inverted; the all-right group has no pairs.
+    mixed = [group([1, 0], [4, 6]), group([1, 1, 0], [2, 2, 6]), group([1, 1], [3, 3])]
+    rewards = [np.array([0.2, 0.5]), np.array([0.9, 1.0, 0.9]), np.array([0.3, 0.4])]
+    assert rollout_metrics(mixed, rewards)["reward/inversion_rate"] == pytest.approx(2 / 3)
     assert rollout_metrics([], [])["rollout/reward_mean"] == 0.0
     with pytest.raises(ValueError, match="4 rewards for 5 responses"):
         rollout_metrics(groups, [np.array([1.0, 0.0]), np.array([0.9, 1.0])])
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_inversion_rate_of_rewards_is_that_of_every_advantage(name):
+    """The metric reads rewards; every group-relative advantage keeps their order inside a
+    group, so it equals `reward_adjust.inversion_rate` of the advantages (equal-size groups)."""
+    rng = np.random.default_rng(0)
+    outcomes = rng.integers(0, 2, size=(16, 6))
+    rewards = (outcomes + rng.uniform(-1.0, 1.0, size=outcomes.shape)).astype(np.float32)
+    groups = [RolloutGroup(
+        prompt_id=f"p{i}", prompt_tokens=np.array([1]), policy_version=0, sampler="t",
+        created_at=0.0, responses=[Response(tokens=np.full(2, 5), logprobs=np.zeros(2),
+                                            outcome=int(o), reward=0.0) for o in row])
+        for i, row in enumerate(outcomes)]
+    got = inversion_rate(groups, rewards.reshape(-1).astype(np.float64))
+    want = float(reward_adjust.inversion_rate(outcomes, ADVANTAGES[name](jnp.asarray(rewards))))
+    assert 0.05 < got < 0.95  # the noise does invert some pairs, not all
+    assert got == pytest.approx(want)
