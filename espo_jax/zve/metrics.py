@@ -46,30 +46,36 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
       zvp_wrong: `zve.zvp.wrong_groups`; False: only all-correct zero-variance groups do (an
         all-wrong one keeps a zero advantage, no gradient).
 
-    `zero_variance_frac_before` uses binary outcomes; `..._after_tiebreak` shaped rewards over
-    the generated groups; `..._after_filter` shaped rewards over the batch. Wasted rollouts and
-    tokens are those of generated groups not trained on, plus those of trained groups without
-    reward contrast (unless RL-ZVP gives them one). `effective_batch` counts trained groups with
-    signal.
+    `zero_variance_frac_before` uses binary outcomes (the papers' zero-variance rate);
+    `..._after_tiebreak` shaped rewards over the generated groups; `..._after_filter` shaped
+    rewards over the batch, `zero_variance_frac_batch_outcome` binary outcomes over the batch.
+    `zv_outcome_rollouts` / `zv_outcome_tokens` are the rollouts and tokens generated in groups
+    of one binary outcome. Wasted rollouts and tokens are those of generated groups not trained
+    on, plus those of trained groups without reward contrast (unless RL-ZVP gives them one);
+    `trained_no_grad_tokens` of `trained_tokens` is the latter part alone: tokens the update
+    reads whose advantages are all zero. `effective_batch` counts trained groups with signal.
     """
     batch_ids, generated_ids = {id(g) for g in batch}, {id(g) for g in generated}
     if len(batch_ids) != len(batch) or not batch_ids <= generated_ids:
         raise ValueError("step_metrics: batch must be distinct groups taken from generated")
     rollouts = tokens = wasted_rollouts = wasted_tokens = 0
-    zv_outcome = zv_reward = 0
+    zv_outcome = zv_reward = zv_rollouts = zv_tokens = 0
     for g in generated:
         lengths, outcomes = g.lengths, g.outcomes
         rollouts += len(outcomes)
         tokens += int(lengths.sum())
-        zv_outcome += _flat(outcomes)
+        if _flat(outcomes):
+            zv_outcome += 1
+            zv_rollouts += len(outcomes)
+            zv_tokens += int(lengths.sum())
         flat = _flat(g.rewards)
         zv_reward += flat
         if id(g) not in batch_ids or (flat and not _zvp_covers(g, zvp_enabled, zvp_wrong)):
             wasted_rollouts += len(outcomes)
             wasted_tokens += int(lengths.sum())
     zv_batch = sum(_flat(g.rewards) for g in batch)
-    no_signal = sum(_flat(g.rewards) and not _zvp_covers(g, zvp_enabled, zvp_wrong)
-                    for g in batch)
+    silent = [g for g in batch if _flat(g.rewards) and not _zvp_covers(g, zvp_enabled, zvp_wrong)]
+    no_signal = len(silent)
     n_gen = max(len(generated), 1)
     return {
         "zve/groups_generated": float(len(generated)),
@@ -78,6 +84,12 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
         "zve/zero_variance_frac_before": zv_outcome / n_gen,
         "zve/zero_variance_frac_after_tiebreak": zv_reward / n_gen,
         "zve/zero_variance_frac_after_filter": zv_batch / max(len(batch), 1),
+        "zve/zero_variance_frac_batch_outcome": sum(_flat(g.outcomes) for g in batch)
+        / max(len(batch), 1),
+        "zve/zv_outcome_rollouts": float(zv_rollouts),
+        "zve/zv_outcome_tokens": float(zv_tokens),
+        "zve/trained_tokens": float(sum(int(g.lengths.sum()) for g in batch)),
+        "zve/trained_no_grad_tokens": float(sum(int(g.lengths.sum()) for g in silent)),
         "zve/wasted_rollouts": float(wasted_rollouts),
         "zve/wasted_tokens": float(wasted_tokens),
         "zve/wasted_token_frac": wasted_tokens / max(tokens, 1),

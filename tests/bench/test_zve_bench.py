@@ -77,11 +77,20 @@ def test_plain_grpo_spends_two_epochs():
     assert (s.steps, s.tokens, s.wasted_tokens, s.offline_tokens) == (4, 104, 32, 0)
     assert s.wasted_frac == pytest.approx(32 / 104)
     assert (s.groups, s.zero_variance_groups, s.trained_groups, s.signal_groups) == (8, 4, 8, 4)
+    # p0 and p1 twice: 4 groups of 2 rollouts, 32 tokens, all trained on without gradient.
+    assert (s.zero_variance_rollouts, s.zero_variance_tokens) == (8, 32)
+    assert (s.trained_zero_variance_groups, s.trained_tokens, s.trained_no_grad_tokens) == (
+        4, 104, 32)
+    row = bench.table({"plain GRPO": s}).splitlines()[-1]
+    assert "50.0%" in row and "8 / 32" in row and "30.8%" in row  # 4/8 groups, 32/104 tokens
 
 
 def test_rl_zvp_gives_every_trained_group_signal():
     s = _spend(_config("zvp"), 104)
     assert (s.tokens, s.wasted_tokens, s.signal_groups) == (104, 0, 8)
+    # RL-ZVP gives those groups a gradient; it does not change the zero-variance rate.
+    assert (s.zero_variance_groups, s.trained_zero_variance_groups) == (4, 4)
+    assert s.trained_no_grad_tokens == 0
 
 
 def test_offline_pass_counts_as_wasted_and_is_shared():
