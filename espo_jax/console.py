@@ -38,6 +38,9 @@ class _ConsoleFilter(logging.Filter):
         return record.pathname.startswith(_PACKAGE_DIR)
 
 
+_QUIET = [False]
+
+
 def quiet(verbosity: int = 0) -> None:
     """Below `verbosity` 1, filters the console (absl's handler) as the module doc says."""
     from absl import logging as absl_logging
@@ -45,12 +48,16 @@ def quiet(verbosity: int = 0) -> None:
     console = absl_logging.get_absl_handler()
     for f in [f for f in console.filters if isinstance(f, _ConsoleFilter)]:
         console.removeFilter(f)
+    _QUIET[0] = verbosity < 1
     if verbosity < 1:
         console.addFilter(_ConsoleFilter())
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # TF only writes event files here
-        import tensorflow_datasets as tfds
 
-        tfds.disable_progress_bar()
+
+def is_quiet() -> bool:
+    """Whether `quiet` filtered the console: libraries' progress bars stay off then (TFDS's
+    while a dataset is prepared, `espo_jax.data.tfds_offline.prepare`)."""
+    return _QUIET[0]
 
 
 def log_to_file(workdir: str) -> str:

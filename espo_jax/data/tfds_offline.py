@@ -12,6 +12,8 @@ import os
 import tensorflow_datasets as tfds
 from etils import epath
 
+from espo_jax import console
+
 
 class OfflineBuilder(tfds.core.GeneratorBasedBuilder):
     """A `GeneratorBasedBuilder` that never downloads.
@@ -42,6 +44,8 @@ def prepare(builder_cls: type[OfflineBuilder], data_dir: str | os.PathLike, conf
         kwargs = {"config": config.name}
     builder = builder_cls(data_dir=os.fspath(data_dir), file_format="array_record", **kwargs)
     try:
+        if console.is_quiet() and not builder.is_prepared():
+            tfds.disable_progress_bar()  # the main job's quiet console
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(try_download_gcs=False))
     except FileExistsError:
