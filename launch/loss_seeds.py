@@ -15,12 +15,15 @@ For each seed S (`--config.seed=S`: the data split seeds, the warm start, the RL
    per batch (ratios depart from 1 and the clips act).
 
 Runs are seed-major (every loss of seed 0, then seed 1, ...), so a stopped launch leaves whole
-seeds. Every run is a real main job (a subprocess, its log in WORKDIR/.../log.txt and
-WORKDIR/logs/); a finished run (its summary.json present) is not run again, so the same command
-resumes. It writes WORKDIR/loss_seeds.json (every run's numbers, the aggregates, the commit,
-the CPU, the flags), WORKDIR/loss_seeds.md (the README's table) and WORKDIR/loss_seeds.png
-(validation accuracy against RL step, mean and min-max band over seeds). Only the test split's
-numbers are reported; validation is where settings are chosen.
+seeds. Every run executes WORKDIR/code, a copy of the package and experiments made at the first
+launch (its commit in WORKDIR/code/commit.txt and in the results json). Every run is a real main
+job (a subprocess; its log in WORKDIR/logs/ and WORKDIR/.../log.txt); a finished run (its
+summary.json present) is not run again, so the same command resumes. It writes
+WORKDIR/loss_seeds.json (every run's numbers, the aggregates, the commit, the CPU, the flags),
+WORKDIR/loss_seeds.md (the README's tables), WORKDIR/loss_seeds.png (validation accuracy
+against RL step, mean and min-max band over seeds) and WORKDIR/loss_seeds_espo_eps.png (ESPO's
+clip ranges against entropy). Only the test split's numbers are reported; validation is where
+settings are chosen.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,21 +67,40 @@ def _summary(run_dir: str) -> dict | None:
         return json.load(f)
 
 
-def run_main(run_dir: str, experiment: str, run_flags: list[str], small: bool, logs: str) -> dict:
-    """One main job in `run_dir` (skipped when its summary exists); returns its summary."""
+def snapshot(workdir: str) -> str:
+    """WORKDIR/code: a copy of the package and the experiments, made at the first launch. Every
+    run executes it, so the runs of one comparison run the same code even when the checkout
+    changes during the hours they take, or between a launch and its resumption."""
+    code = os.path.join(workdir, "code")
+    if not os.path.isdir(code):
+        ignore = shutil.ignore_patterns("__pycache__")
+        tmp = code + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name in ("espo_jax", "experiments"):
+            shutil.copytree(os.path.join(REPO, name), os.path.join(tmp, name), ignore=ignore)
+        with open(os.path.join(tmp, "commit.txt"), "w") as f:
+            f.write(_commit() + "\n")
+        os.rename(tmp, code)
+    return code
+
+
+def run_main(run_dir: str, experiment: str, run_flags: list[str], small: bool, logs: str,
+             code: str = REPO) -> dict:
+    """One main job in `run_dir` (skipped when its summary exists), on the package in `code`
+    (`python -m` puts its working directory first on the path); returns its summary."""
     done = _summary(run_dir)
     name = os.path.relpath(run_dir, os.path.dirname(logs))
     if done is not None:
         print(f"[{name}] already finished", flush=True)
         return done
     cmd = [sys.executable, "-m", "espo_jax.main", "--config",
-           os.path.join(REPO, "experiments", f"{experiment}.py" + (":small" if small else "")),
+           os.path.join(code, "experiments", f"{experiment}.py" + (":small" if small else "")),
            "--workdir", run_dir, *run_flags]
     log_path = os.path.join(logs, name.replace(os.sep, "_") + ".log")
     print(f"[{name}] started (log: {log_path})", flush=True)
     start = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=code, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError(f"[{name}] exited with {proc.returncode}; see {log_path}")
     summary = _summary(run_dir)
@@ -181,6 +204,64 @@ def table(agg: dict, warm: dict) -> str:
     return "\n".join(lines)
 
 
+def clip_table(clips: dict) -> str:
+    """Markdown: per setting and loss, the means over seeds of the per-run step means of the
+    clip fractions and importance-ratio tails (ESPO: its mean eps)."""
+    head = ["setting", "loss", "clip frac low", "clip frac high", "ratio p01", "ratio p99",
+            "ESPO mean eps"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for setting, by_loss in clips.items():
+        for loss, by_seed in by_loss.items():
+            cells = []
+            for key in ("pg/clipfrac_low", "pg/clipfrac_high", "is_ratio/p01", "is_ratio/p99",
+                        "espo/eps_mean"):
+                vals = [c[key] for c in by_seed.values() if key in c]
+                cells.append(f"{statistics.fmean(vals):.4g}" if vals else "-")
+            lines.append(f"| {setting} | {loss} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def espo_eps_points(run_dir: str) -> list[tuple[float, float, float]]:
+    """(entropy/mean, espo/eps_low, espo/eps_high) of every RL step of an ESPO run."""
+    out = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["phase"] == "rl" and r.get("espo/eps_high") is not None \
+                    and r.get("entropy/mean") is not None:
+                out.append((r["entropy/mean"], r["espo/eps_low"], r["espo/eps_high"]))
+    return out
+
+
+def plot_espo_eps(points: dict, path: str) -> None:
+    """ESPO's per-step clip ranges of its low- and high-entropy token groups against the step's
+    mean token entropy, every seed and setting: eps_tau = alpha * mean entropy of tau / log|V|."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for setting, by_seed in points.items():
+        pts = [p for seed_pts in by_seed.values() for p in seed_pts]
+        if not pts:
+            continue
+        ent = [p[0] for p in pts]
+        ax.scatter(ent, [p[2] for p in pts], s=10, marker="o" if setting == "on" else "^",
+                   label=f"{setting}-policy: high-entropy group")
+        ax.scatter(ent, [p[1] for p in pts], s=10, marker="o" if setting == "on" else "^",
+                   label=f"{setting}-policy: low-entropy group")
+    ax.set_xlabel("mean token entropy of the step (nats)")
+    ax.set_ylabel("ESPO clip range eps")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title("ESPO's entropy-adaptive clip, one point per RL step and seed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(curves: dict, path: str) -> None:
     """Validation accuracy against RL step per setting: each loss's mean over seeds, with the
     min-max band of its seeds, at the steps every seed evaluated."""
@@ -242,6 +323,9 @@ def main(argv: list[str]) -> int:
     extra = [f"--config.{o}" for o in _OVERRIDE.value]
     seeds = [int(s) for s in _SEEDS.value]
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    code = snapshot(workdir)
+    with open(os.path.join(code, "commit.txt")) as f:
+        first_commit = f.read().strip()
     runs, curves, clips = {}, {}, {}
     # Warm starts first (they are what every run of a seed waits for), then the RL runs
     # seed-major; a run waits for its seed's warm start inside its pool slot (FIFO: that warm
@@ -250,11 +334,11 @@ def main(argv: list[str]) -> int:
         warm_dirs = {seed: os.path.join(workdir, "warm", f"seed{seed}") for seed in seeds}
         warm_jobs = {seed: pool.submit(run_main, warm_dirs[seed], "arith_espo",
                                        common_flags(seed, 0) + extra + ["--config.train.steps=0"],
-                                       _SMALL.value, logs) for seed in seeds}
+                                       _SMALL.value, logs, code) for seed in seeds}
 
         def rl_run(seed, run_dir, experiment, run_flags):
             warm_jobs[seed].result()
-            return run_main(run_dir, experiment, run_flags, _SMALL.value, logs)
+            return run_main(run_dir, experiment, run_flags, _SMALL.value, logs, code)
 
         jobs = {}
         for seed in seeds:
@@ -272,7 +356,7 @@ def main(argv: list[str]) -> int:
             curves.setdefault(setting, {}).setdefault(loss, {})[seed] = validation_curve(run_dir)
             clips.setdefault(setting, {}).setdefault(loss, {})[seed] = clip_stats(run_dir)
     agg = aggregate(runs, warm)
-    text = table(agg, warm)
+    text = table(agg, warm) + "\n\n" + clip_table(clips)
     print(text)
     with open(os.path.join(workdir, "loss_seeds.md"), "w") as f:
         f.write(text + "\n")
@@ -280,7 +364,8 @@ def main(argv: list[str]) -> int:
             "wasted_token_fraction", "mean_abs_logp_mismatch", "rl_seconds", "skipped_updates",
             "test", "final")
     result = {
-        "commit": _commit(), "started": started, "cpu": _cpu(), "jobs": _JOBS.value,
+        "commit": first_commit, "aggregated_at_commit": _commit(), "aggregated": started,
+        "cpu": _cpu(), "jobs": _JOBS.value,
         "flags": {"max_tokens": _MAX_TOKENS.value, "max_steps": _MAX_STEPS.value,
                   "off_updates": _OFF_UPDATES.value, "eval_every": _EVAL_EVERY.value,
                   "small": _SMALL.value, "override": extra},
@@ -296,7 +381,14 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(curves, os.path.join(workdir, "loss_seeds.png"))
-    print(f"written: {workdir}/loss_seeds.md, loss_seeds.json, loss_seeds.png")
+    if "espo" in _LOSSES.value:
+        points = {st: {s: espo_eps_points(os.path.join(workdir, st, "espo", f"seed{s}"))
+                       for s in seeds} for st in _SETTINGS.value}
+        result["espo_eps_points"] = points
+        with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        plot_espo_eps(points, os.path.join(workdir, "loss_seeds_espo_eps.png"))
+    print(f"written: {workdir}/loss_seeds.md, loss_seeds.json, loss_seeds*.png")
     return 0
 
 

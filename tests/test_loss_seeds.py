@@ -1,0 +1,75 @@
+"""`launch/loss_seeds.py`: the aggregates and tables by hand, then a real two-run launch on the
+small variants (a warm start and one off-policy ESPO run from it) and its resumption."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "loss_seeds", os.path.join(REPO, "launch", "loss_seeds.py"))
+launcher = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(launcher)
+
+
+def _run(test, val, tokens=1000, steps=10, seconds=100.0):
+    return {"test_accuracy": test, "final_accuracy": val, "generated_tokens": tokens,
+            "steps": steps, "rl_seconds": seconds}
+
+
+def test_aggregate_and_table_by_hand():
+    warm = {0: {"test_accuracy": 0.5}, 1: {"test_accuracy": 0.6}}
+    runs = {"on": {"espo": {0: _run(0.7, 0.8), 1: _run(0.6, 0.7, steps=12)},
+                   "grpo": {0: _run(0.5, 0.5), 1: _run(0.7, 0.6)}}}
+    agg = launcher.aggregate(runs, warm)
+    espo = agg["on"]["espo"]
+    # test 0.7 and 0.6: mean 0.65, sample std sqrt(2 * 0.05^2 / 1) = 0.0707
+    assert espo["test_accuracy"]["mean"] == pytest.approx(0.65)
+    assert espo["test_accuracy"]["std"] == pytest.approx(0.0707107, abs=1e-6)
+    # gains over each seed's own warm start: 0.2 and 0.0
+    assert espo["test_gain"]["values"] == pytest.approx([0.2, 0.0])
+    assert espo["validation_accuracy"]["mean"] == pytest.approx(0.75)
+    assert espo["steps"]["mean"] == 11
+    assert agg["on"]["grpo"]["test_gain"]["mean"] == pytest.approx(0.05)
+    text = launcher.table(agg, warm)
+    assert "| espo | 0.650 +- 0.071 / 0.700 0.600 / +10.0 +- 14.1 pts | 11.0, 100 |" in text
+    assert "| warm start | 0.550 +- 0.071 / 0.500 0.600 / - | - |" in text
+
+
+def test_validation_curve_keeps_one_point_per_step(tmp_path):
+    records = [{"step": 0, "phase": "eval", "eval/accuracy": 0.5},
+               {"step": 1, "phase": "rl", "rollout/accuracy": 0.3},
+               {"step": 2, "phase": "rl", "eval/accuracy": 0.55},
+               {"step": 3, "phase": "eval", "eval/accuracy": 0.6, "test/accuracy": 0.58}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert launcher.validation_curve(str(tmp_path)) == [(0, 0.5), (2, 0.55), (3, 0.6)]
+
+
+@pytest.mark.slow
+def test_small_launch_runs_then_resumes_without_rerunning(tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "launch", "loss_seeds.py"),
+           f"--workdir={tmp_path}", "--small", "--seeds=0", "--losses=espo", "--settings=off",
+           "--max_tokens=2500", "--max_steps=3", "--eval_every=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "loss_seeds.json").read_text())
+    run = result["runs"]["off"]["espo"]["0"]
+    # The small variant's stage-0 pass alone spends less than the budget: RL ran, and stopped
+    # at the budget (or the step cap), the test split evaluated once at the end.
+    assert 1 <= run["steps"] <= 3
+    assert run["steps"] == 3 or run["generated_tokens"] >= 2500
+    assert 0.0 <= run["test_accuracy"] <= 1.0 and "eval/accuracy" in run["test"]
+    assert run["validation_curve"][0][0] == 0 and len(run["validation_curve"]) == run["steps"] + 1
+    assert result["commit"] == (tmp_path / "code" / "commit.txt").read_text().strip()
+    assert (tmp_path / "loss_seeds.png").stat().st_size > 0
+    assert (tmp_path / "loss_seeds_espo_eps.png").stat().st_size > 0
+    assert "| off | espo |" in (tmp_path / "loss_seeds.md").read_text()
+    # Four updates per batch: the ratios departed from 1 within a batch.
+    assert run["clip_means"]["is_ratio/p01"] < 1.0
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("already finished") == 2 and "started" not in again.stdout
