@@ -180,7 +180,7 @@ def numbered(generate: Generate, cache: dict | None = None) -> Rollout:
 
 
 def engine_rollout(engine, pool, *, seed: int, n_experts: int | None,
-                   target_fn=None) -> Generate:
+                   target_fn: Callable[[Mapping], object]) -> Generate:
     """The main job's rollout without the buffer: `engine` (holding the fixed policy) with the
     overlapped reward `pool`; call i draws with key fold_in(key(seed), i)."""
     import jax

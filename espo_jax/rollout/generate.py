@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 
@@ -28,7 +29,7 @@ def generate_scored_groups(
     n_experts: int | None,
     admission: str = "fifo",
     predictor=None,
-    target_fn=None,
+    target_fn: Callable[[Mapping], Any],
     meta: Mapping | None = None,
     task: str = "",
 ) -> list[RolloutGroup]:
@@ -36,7 +37,10 @@ def generate_scored_groups(
 
     `prompt` is a prompt dict (`prompt_id`, `tokens`, `answer`, ...). Request i draws from
     `rng` with seed i, so the result depends only on the weights, `rng` and the plan. The
-    reward function gets `target_fn(prompt)` (default: `prompt["answer"]`) as its reference.
+    reward function gets `target_fn(prompt)` as its reference: `tasks.reward_fn(task)` returns the
+    pair (a task's reward reads the whole prompt, `tasks.reward_target`; a plain `(text, answer)`
+    reward takes `lambda p: p["answer"]`). It has no default: a wrong reference scores every
+    response wrong without any error.
     `engine` is any `espo_jax.rollout.sampler.Sampler` (an `Engine` is one); `meta` goes into
     every group's meta (the worker puts its writer id there). A response whose reward failed
     is logged with `task`, the prompt id and the pool's error (with the reward's traceback),
@@ -50,7 +54,7 @@ def generate_scored_groups(
 
     def score(group: GenerationGroup) -> None:
         prompt = plan[group.request_index][0]
-        answer = target_fn(prompt) if target_fn else prompt["answer"]
+        answer = target_fn(prompt)
         for j, gen in enumerate(group.responses):
             pool.submit((tag, group.request_index), j, gen.tokens.tolist(), answer)
 

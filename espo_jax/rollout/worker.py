@@ -107,6 +107,10 @@ class WorkerConfig:
     exit_with_parent: bool = False  # stop when the parent process is gone (spawned workers)
 
 
+def _answer(prompt: Mapping[str, Any]) -> Any:
+    return prompt["answer"]
+
+
 class RolloutWorker:
     """See module doc. `prompts`: a `zve.PromptScheduler` (plans and sample counts; its state
     persists in `config.status_dir`) or an iterable of prompt dicts (`n_samples` each).
@@ -133,7 +137,9 @@ class RolloutWorker:
         self.scheduler = prompts if isinstance(prompts, PromptScheduler) else None
         self._prompts = None if self.scheduler else iter(prompts)
         self.reward_fn, self.detokenize, self.log = reward_fn, detokenize, log
-        self.target_fn = target_fn  # the reward's reference per prompt (default its answer)
+        # The reward's reference per prompt: `reward_fn(text, target_fn(prompt))`; without one
+        # `reward_fn` is a plain `(text, answer)` function and gets the prompt's answer.
+        self.target_fn = target_fn or _answer
         self.sampler = sampler or JaxSampler(
             c.sampling, precision=c.precision, max_slots=c.max_slots,
             max_cache_len=c.max_cache_len, steps_per_sync=c.steps_per_sync,

@@ -154,7 +154,8 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
     engine, pool, n_experts = engine_and_pool
     prompts = [{"prompt_id": f"q{i}", "tokens": [1, 3 + i, 7], "answer": ""} for i in range(6)]
     c = _config("zvp", n_samples=4)
-    generate = bench.engine_rollout(engine, pool, seed=0, n_experts=n_experts)
+    generate = bench.engine_rollout(engine, pool, seed=0, n_experts=n_experts,
+                                    target_fn=lambda p: p["answer"])
     seen, calls = [], []
 
     def recording(i, plan):
