@@ -35,3 +35,20 @@ def test_cited_results_files_exist_and_the_page_is_short():
     for name in cited:
         assert os.path.exists(os.path.join(results, os.path.basename(name))), name
     assert len(README.splitlines()) < 300
+
+
+def test_ms_zve_table_is_the_stored_benchmark():
+    """The README's MS-ZVE rows are `zve_bench.json`'s figures, rounded as printed."""
+    import json
+
+    with open(os.path.join(REPO, "experiments", "results", "zve_bench.json")) as f:
+        configs = json.load(f)["configurations"]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in README.splitlines() if line.startswith("| ZV rate, generated")
+            or line.startswith("| trained tokens without gradient")}
+    assert len(configs) == 8 and len(rows) == 2
+    rate = [f"{100 * c['zero_variance_groups'] / c['groups']:.1f}%" for c in configs.values()]
+    no_grad = [f"{100 * c['trained_no_grad_tokens'] / c['trained_tokens']:.1f}%"
+               for c in configs.values()]
+    assert rows["ZV rate, generated groups"] == rate
+    assert rows["trained tokens without gradient"] == no_grad
