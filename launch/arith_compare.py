@@ -25,11 +25,12 @@ import concurrent.futures
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 
 from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import main_jobs  # noqa: E402  (launch/main_jobs.py, beside this script)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINES = ("grpo", "dapo", "gspo")
@@ -43,36 +44,11 @@ _OVERRIDE = flags.DEFINE_multi_string(
 flags.mark_flag_as_required("workdir")
 
 
-def _summary(workdir: str, name: str) -> dict | None:
-    path = os.path.join(workdir, name, "summary.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
 def run_main(workdir: str, name: str, experiment: str, overrides: list[str],
              small: bool = False) -> dict:
     """One main job in WORKDIR/NAME (skipped when its summary exists); returns its summary."""
-    done = _summary(workdir, name)
-    if done is not None:
-        print(f"[{name}] already finished: final accuracy {done['final_accuracy']:.3f}")
-        return done
-    cmd = [sys.executable, "-m", "espo_jax.main", "--config",
-           os.path.join(REPO, "experiments", f"{experiment}.py" + (":small" if small else "")),
-           "--workdir",
-           os.path.join(workdir, name), *overrides]
-    log_path = os.path.join(workdir, f"{name}.log")
-    print(f"[{name}] {' '.join(cmd[2:])}  (log: {log_path})", flush=True)
-    start = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"[{name}] exited with {proc.returncode}; see {log_path}")
-    summary = _summary(workdir, name)
-    print(f"[{name}] done in {time.time() - start:.0f} s: final accuracy "
-          f"{summary['final_accuracy']:.3f}", flush=True)
-    return summary
+    return main_jobs.run_main(os.path.join(workdir, name), experiment, overrides, label=name,
+                              log_path=os.path.join(workdir, f"{name}.log"), small=small)
 
 
 def sft_flags(espo: dict) -> list[str]:

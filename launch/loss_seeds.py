@@ -37,34 +37,32 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 
 from absl import app, flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import main_jobs  # noqa: E402  (launch/main_jobs.py, beside this script)
+
+REPO = main_jobs.REPO
 LOSSES = ("espo", "grpo", "dapo", "gspo", "gspo_token")
 SETTINGS = ("on", "off")
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "one subdirectory per run, and the results")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds (each with its own warm start)")
-_LOSSES = flags.DEFINE_list("losses", list(LOSSES), "losses (experiments/arith_LOSS.py)")
-_SETTINGS = flags.DEFINE_list("settings", list(SETTINGS), "on: 1 update per batch; off: several")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 260_000, "generated tokens per RL run")
-_MAX_STEPS = flags.DEFINE_integer("max_steps", 120, "RL steps at most (the schedule's length)")
-_OFF_UPDATES = flags.DEFINE_integer("off_updates", 4, "minibatch updates per batch, setting off")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 6, "RL steps between validation evaluations")
-_JOBS = flags.DEFINE_integer("jobs", 1, "main jobs at a time (they share the CPU)", lower_bound=1)
-_SMALL = flags.DEFINE_bool("small", False, "the experiments' small variants: a smoke test")
-_OVERRIDE = flags.DEFINE_multi_string("override", [], "x.y=v: --config.x.y=v for every run")
-flags.mark_flag_as_required("workdir")
 
-
-def _summary(run_dir: str) -> dict | None:
-    path = os.path.join(run_dir, "summary.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def define_flags() -> None:
+    """The command line (defined when run as a script, so tests can import the module beside
+    other launchers that define the same names)."""
+    flags.DEFINE_string("workdir", None, "one subdirectory per run, and the results")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds (each with its own warm start)")
+    flags.DEFINE_list("losses", list(LOSSES), "losses (experiments/arith_LOSS.py)")
+    flags.DEFINE_list("settings", list(SETTINGS), "on: 1 update per batch; off: several")
+    flags.DEFINE_integer("max_tokens", 260_000, "generated tokens per RL run")
+    flags.DEFINE_integer("max_steps", 120, "RL steps at most (the schedule's length)")
+    flags.DEFINE_integer("off_updates", 4, "minibatch updates per batch, setting off")
+    flags.DEFINE_integer("eval_every", 6, "RL steps between validation evaluations")
+    flags.DEFINE_integer("jobs", 1, "main jobs at a time (they share the CPU)", lower_bound=1)
+    flags.DEFINE_bool("small", False, "the experiments' small variants: a smoke test")
+    flags.DEFINE_multi_string("override", [], "x.y=v: --config.x.y=v for every run")
+    flags.mark_flag_as_required("workdir")
 
 
 def snapshot(workdir: str) -> str:
@@ -85,28 +83,12 @@ def snapshot(workdir: str) -> str:
 
 
 def run_main(run_dir: str, experiment: str, run_flags: list[str], small: bool, logs: str,
-             code: str = REPO) -> dict:
-    """One main job in `run_dir` (skipped when its summary exists), on the package in `code`
-    (`python -m` puts its working directory first on the path); returns its summary."""
-    done = _summary(run_dir)
-    name = os.path.relpath(run_dir, os.path.dirname(logs))
-    if done is not None:
-        print(f"[{name}] already finished", flush=True)
-        return done
-    cmd = [sys.executable, "-m", "espo_jax.main", "--config",
-           os.path.join(code, "experiments", f"{experiment}.py" + (":small" if small else "")),
-           "--workdir", run_dir, *run_flags]
-    log_path = os.path.join(logs, name.replace(os.sep, "_") + ".log")
-    print(f"[{name}] started (log: {log_path})", flush=True)
-    start = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=code, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"[{name}] exited with {proc.returncode}; see {log_path}")
-    summary = _summary(run_dir)
-    print(f"[{name}] done in {time.time() - start:.0f} s: test accuracy "
-          f"{summary['test_accuracy']:.3f}", flush=True)
-    return summary
+             code: str) -> dict:
+    """One main job in `run_dir` on the package in `code` (skipped when its summary exists)."""
+    label = os.path.relpath(run_dir, os.path.dirname(logs))
+    return main_jobs.run_main(run_dir, experiment, run_flags, label=label, small=small,
+                              log_path=os.path.join(logs, label.replace(os.sep, "_") + ".log"),
+                              code=code)
 
 
 def common_flags(seed: int, eval_every: int) -> list[str]:
@@ -311,17 +293,17 @@ def _cpu() -> str:
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    for loss in _LOSSES.value:
+    for loss in FLAGS.losses:
         if loss not in LOSSES:
             raise app.UsageError(f"--losses: {loss!r} is not one of {LOSSES}")
-    for setting in _SETTINGS.value:
+    for setting in FLAGS.settings:
         if setting not in SETTINGS:
             raise app.UsageError(f"--settings: {setting!r} is not one of {SETTINGS}")
-    workdir = os.path.abspath(_WORKDIR.value)
+    workdir = os.path.abspath(FLAGS.workdir)
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
-    extra = [f"--config.{o}" for o in _OVERRIDE.value]
-    seeds = [int(s) for s in _SEEDS.value]
+    extra = [f"--config.{o}" for o in FLAGS.override]
+    seeds = [int(s) for s in FLAGS.seeds]
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     code = snapshot(workdir)
     with open(os.path.join(code, "commit.txt")) as f:
@@ -330,24 +312,24 @@ def main(argv: list[str]) -> int:
     # Warm starts first (they are what every run of a seed waits for), then the RL runs
     # seed-major; a run waits for its seed's warm start inside its pool slot (FIFO: that warm
     # start was submitted earlier, so it is running or done).
-    with concurrent.futures.ThreadPoolExecutor(max_workers=_JOBS.value) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=FLAGS.jobs) as pool:
         warm_dirs = {seed: os.path.join(workdir, "warm", f"seed{seed}") for seed in seeds}
         warm_jobs = {seed: pool.submit(run_main, warm_dirs[seed], "arith_espo",
                                        common_flags(seed, 0) + extra + ["--config.train.steps=0"],
-                                       _SMALL.value, logs, code) for seed in seeds}
+                                       FLAGS.small, logs, code) for seed in seeds}
 
         def rl_run(seed, run_dir, experiment, run_flags):
             warm_jobs[seed].result()
-            return run_main(run_dir, experiment, run_flags, _SMALL.value, logs, code)
+            return run_main(run_dir, experiment, run_flags, FLAGS.small, logs, code)
 
         jobs = {}
         for seed in seeds:
-            for setting in _SETTINGS.value:
-                for loss in _LOSSES.value:
+            for setting in FLAGS.settings:
+                for loss in FLAGS.losses:
                     run_dir = os.path.join(workdir, setting, loss, f"seed{seed}")
-                    run_flags = (common_flags(seed, _EVAL_EVERY.value) + extra
-                                 + rl_flags(setting, warm_dirs[seed], _MAX_TOKENS.value,
-                                            _MAX_STEPS.value, _OFF_UPDATES.value))
+                    run_flags = (common_flags(seed, FLAGS.eval_every) + extra
+                                 + rl_flags(setting, warm_dirs[seed], FLAGS.max_tokens,
+                                            FLAGS.max_steps, FLAGS.off_updates))
                     jobs[seed, setting, loss, run_dir] = pool.submit(
                         rl_run, seed, run_dir, f"arith_{loss}", run_flags)
         warm = {seed: job.result() for seed, job in warm_jobs.items()}
@@ -365,10 +347,10 @@ def main(argv: list[str]) -> int:
             "test", "final")
     result = {
         "commit": first_commit, "aggregated_at_commit": _commit(), "aggregated": started,
-        "cpu": _cpu(), "jobs": _JOBS.value,
-        "flags": {"max_tokens": _MAX_TOKENS.value, "max_steps": _MAX_STEPS.value,
-                  "off_updates": _OFF_UPDATES.value, "eval_every": _EVAL_EVERY.value,
-                  "small": _SMALL.value, "override": extra},
+        "cpu": _cpu(), "jobs": FLAGS.jobs,
+        "flags": {"max_tokens": FLAGS.max_tokens, "max_steps": FLAGS.max_steps,
+                  "off_updates": FLAGS.off_updates, "eval_every": FLAGS.eval_every,
+                  "small": FLAGS.small, "override": extra},
         "warm": {s: {k: w[k] for k in ("test_accuracy", "final_accuracy", "warmstart_seconds",
                                         "test") if k in w} for s, w in warm.items()},
         "aggregate": agg,
@@ -381,9 +363,9 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(curves, os.path.join(workdir, "loss_seeds.png"))
-    if "espo" in _LOSSES.value:
+    if "espo" in FLAGS.losses:
         points = {st: {s: espo_eps_points(os.path.join(workdir, st, "espo", f"seed{s}"))
-                       for s in seeds} for st in _SETTINGS.value}
+                       for s in seeds} for st in FLAGS.settings}
         result["espo_eps_points"] = points
         with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
             json.dump(result, f, indent=2)
@@ -392,5 +374,8 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+FLAGS = flags.FLAGS
+
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
