@@ -62,6 +62,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("jobs", 1, "main jobs at a time (they share the CPU)", lower_bound=1)
     flags.DEFINE_bool("small", False, "the experiments' small variants: a smoke test")
     flags.DEFINE_multi_string("override", [], "x.y=v: --config.x.y=v for every run")
+    flags.DEFINE_bool("report_only", False, "run nothing: the tables, json and plots of the "
+                      "runs that have finished (a cell lists the seeds it has)")
     flags.mark_flag_as_required("workdir")
 
 
@@ -161,7 +163,8 @@ def table(agg: dict, warm: dict) -> str:
     seeds = sorted(warm)
     start = [warm[s]["test_accuracy"] for s in seeds]
     settings = list(agg)
-    head = ["loss"] + [f"{s}-policy: test acc (mean +- std) / each seed / gain" for s in settings]
+    head = ["loss"] + [f"{s}-policy: test acc (mean +- std, seeds) / each seed / gain"
+                       for s in settings]
     head += [f"{s}: RL steps, RL s" for s in settings]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines.append("| warm start | " + " | ".join(
@@ -178,7 +181,7 @@ def table(agg: dict, warm: dict) -> str:
                 costs.append("-")
                 continue
             acc, gain = a["test_accuracy"], a["test_gain"]
-            cells.append(f"{acc['mean']:.3f} +- {acc['std']:.3f} / "
+            cells.append(f"{acc['mean']:.3f} +- {acc['std']:.3f} (n={len(acc['values'])}) / "
                          f"{' '.join(f'{v:.3f}' for v in acc['values'])} / "
                          f"{100 * gain['mean']:+.1f} +- {100 * gain['std']:.1f} pts")
             costs.append(f"{a['steps']['mean']:.1f}, {a['rl_seconds']['mean']:.0f}")
@@ -309,34 +312,41 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(code, "commit.txt")) as f:
         first_commit = f.read().strip()
     runs, curves, clips = {}, {}, {}
-    # Warm starts first (they are what every run of a seed waits for), then the RL runs
-    # seed-major; a run waits for its seed's warm start inside its pool slot (FIFO: that warm
-    # start was submitted earlier, so it is running or done).
-    with concurrent.futures.ThreadPoolExecutor(max_workers=FLAGS.jobs) as pool:
-        warm_dirs = {seed: os.path.join(workdir, "warm", f"seed{seed}") for seed in seeds}
-        warm_jobs = {seed: pool.submit(run_main, warm_dirs[seed], "arith_espo",
-                                       common_flags(seed, 0) + extra + ["--config.train.steps=0"],
-                                       FLAGS.small, logs, code) for seed in seeds}
+    warm_dirs = {seed: os.path.join(workdir, "warm", f"seed{seed}") for seed in seeds}
+    run_dirs = {(seed, setting, loss): os.path.join(workdir, setting, loss, f"seed{seed}")
+                for seed in seeds for setting in FLAGS.settings for loss in FLAGS.losses}
+    if FLAGS.report_only:  # what has finished, whatever is missing
+        warm = {s: w for s in seeds if (w := main_jobs.summary(warm_dirs[s])) is not None}
+        finished = {key: r for key, d in run_dirs.items()
+                    if key[0] in warm and (r := main_jobs.summary(d)) is not None}
+    else:
+        # Warm starts first (they are what every run of a seed waits for), then the RL runs
+        # seed-major; a run waits for its seed's warm start inside its pool slot (FIFO: that
+        # warm start was submitted earlier, so it is running or done).
+        with concurrent.futures.ThreadPoolExecutor(max_workers=FLAGS.jobs) as pool:
+            warm_jobs = {seed: pool.submit(
+                run_main, warm_dirs[seed], "arith_espo",
+                common_flags(seed, 0) + extra + ["--config.train.steps=0"], FLAGS.small, logs,
+                code) for seed in seeds}
 
-        def rl_run(seed, run_dir, experiment, run_flags):
-            warm_jobs[seed].result()
-            return run_main(run_dir, experiment, run_flags, FLAGS.small, logs, code)
+            def rl_run(seed, run_dir, experiment, run_flags):
+                warm_jobs[seed].result()
+                return run_main(run_dir, experiment, run_flags, FLAGS.small, logs, code)
 
-        jobs = {}
-        for seed in seeds:
-            for setting in FLAGS.settings:
-                for loss in FLAGS.losses:
-                    run_dir = os.path.join(workdir, setting, loss, f"seed{seed}")
-                    run_flags = (common_flags(seed, FLAGS.eval_every) + extra
-                                 + rl_flags(setting, warm_dirs[seed], FLAGS.max_tokens,
-                                            FLAGS.max_steps, FLAGS.off_updates))
-                    jobs[seed, setting, loss, run_dir] = pool.submit(
-                        rl_run, seed, run_dir, f"arith_{loss}", run_flags)
-        warm = {seed: job.result() for seed, job in warm_jobs.items()}
-        for (seed, setting, loss, run_dir), future in jobs.items():
-            runs.setdefault(setting, {}).setdefault(loss, {})[seed] = future.result()
-            curves.setdefault(setting, {}).setdefault(loss, {})[seed] = validation_curve(run_dir)
-            clips.setdefault(setting, {}).setdefault(loss, {})[seed] = clip_stats(run_dir)
+            jobs = {}
+            for (seed, setting, loss), run_dir in run_dirs.items():
+                run_flags = (common_flags(seed, FLAGS.eval_every) + extra
+                             + rl_flags(setting, warm_dirs[seed], FLAGS.max_tokens,
+                                        FLAGS.max_steps, FLAGS.off_updates))
+                jobs[seed, setting, loss] = pool.submit(rl_run, seed, run_dir, f"arith_{loss}",
+                                                        run_flags)
+            warm = {seed: job.result() for seed, job in warm_jobs.items()}
+            finished = {key: future.result() for key, future in jobs.items()}
+    for (seed, setting, loss), summary in finished.items():
+        run_dir = run_dirs[seed, setting, loss]
+        runs.setdefault(setting, {}).setdefault(loss, {})[seed] = summary
+        curves.setdefault(setting, {}).setdefault(loss, {})[seed] = validation_curve(run_dir)
+        clips.setdefault(setting, {}).setdefault(loss, {})[seed] = clip_stats(run_dir)
     agg = aggregate(runs, warm)
     text = table(agg, warm) + "\n\n" + clip_table(clips)
     print(text)
@@ -364,8 +374,8 @@ def main(argv: list[str]) -> int:
         json.dump(result, f, indent=2)
     plot(curves, os.path.join(workdir, "loss_seeds.png"))
     if "espo" in FLAGS.losses:
-        points = {st: {s: espo_eps_points(os.path.join(workdir, st, "espo", f"seed{s}"))
-                       for s in seeds} for st in FLAGS.settings}
+        points = {st: {s: espo_eps_points(run_dirs[s, st, "espo"]) for s in seeds
+                       if (s, st, "espo") in finished} for st in FLAGS.settings}
         result["espo_eps_points"] = points
         with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
             json.dump(result, f, indent=2)

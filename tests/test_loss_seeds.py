@@ -36,8 +36,29 @@ def test_aggregate_and_table_by_hand():
     assert espo["steps"]["mean"] == 11
     assert agg["on"]["grpo"]["test_gain"]["mean"] == pytest.approx(0.05)
     text = launcher.table(agg, warm)
-    assert "| espo | 0.650 +- 0.071 / 0.700 0.600 / +10.0 +- 14.1 pts | 11.0, 100 |" in text
+    assert "| espo | 0.650 +- 0.071 (n=2) / 0.700 0.600 / +10.0 +- 14.1 pts | 11.0, 100 |" in text
     assert "| warm start | 0.550 +- 0.071 / 0.500 0.600 / - | - |" in text
+
+
+def test_report_only_aggregates_what_has_finished(tmp_path):
+    """--report_only runs nothing: the warm start and the one finished run are reported, the
+    missing runs are left out (an experiment that would fail if it were started)."""
+    for rel, summary in (("warm/seed0", {"test_accuracy": 0.5, "final_accuracy": 0.4}),
+                         ("on/grpo/seed0", _run(0.6, 0.55, steps=2))):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "summary.json").write_text(json.dumps(summary))
+        (tmp_path / rel / "metrics.jsonl").write_text(json.dumps(
+            {"step": 0, "phase": "eval", "eval/accuracy": 0.4}) + "\n")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "commit.txt").write_text("abc\n")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "loss_seeds.py"),
+                           f"--workdir={tmp_path}", "--seeds=0,1", "--report_only"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "started" not in proc.stdout
+    result = json.loads((tmp_path / "loss_seeds.json").read_text())
+    assert result["commit"] == "abc" and list(result["runs"]) == ["on"]
+    assert result["aggregate"]["on"]["grpo"]["test_gain"]["values"] == pytest.approx([0.1])
 
 
 def test_validation_curve_keeps_one_point_per_step(tmp_path):
