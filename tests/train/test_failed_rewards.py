@@ -16,7 +16,8 @@ def test_reward_function_failing_everywhere_stops_the_run_after_a_checkpoint(tmp
     config.zve.offline.enabled = False  # the first RL step's rollouts meet the broken function
     config.checkpoint.every = 10  # the stop itself must save one
     config.eval.pass_k = 0
-    monkeypatch.setattr(tasks, "reward_fn", lambda c: (reward_pool_fns.always_fails, None))
+    monkeypatch.setattr(tasks, "reward_fn",
+                        lambda c: (reward_pool_fns.always_fails, lambda p: p["answer"]))
     with pytest.raises(RuntimeError, match=r"RL step 1: the reward function failed \(or timed "
                        r"out\) on 100% of the step's responses, more than "
                        r"rollout.max_failed_reward_frac=0.5; the checkpoint of step 1 is saved"):
