@@ -249,7 +249,7 @@ def plot_espo_eps(points: dict, path: str) -> None:
 
 def plot(curves: dict, path: str) -> None:
     """Validation accuracy against RL step per setting: each loss's mean over seeds, with the
-    min-max band of its seeds, at the steps every seed evaluated."""
+    min-max band of its seeds, at the steps every seed evaluated and at the end of RL."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,8 +259,11 @@ def plot(curves: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.2), squeeze=False)
     for ax, (setting, by_loss) in zip(axes[0], curves.items(), strict=True):
         for loss, by_seed in by_loss.items():
-            steps = sorted(set.intersection(*(set(dict(c)) for c in by_seed.values())))
-            ys = np.array([[dict(c)[t] for t in steps] for c in by_seed.values()])
+            # The evaluations every seed made before its last, then the last one (runs stop
+            # at the token budget, one step apart), drawn at the seeds' mean last step.
+            steps = sorted(set.intersection(*(set(dict(c[:-1])) for c in by_seed.values())))
+            ys = np.array([[dict(c)[t] for t in steps] + [c[-1][1]] for c in by_seed.values()])
+            steps = steps + [float(np.mean([c[-1][0] for c in by_seed.values()]))]
             line, = ax.plot(steps, ys.mean(0), marker="o", ms=3, label=f"{loss} ({len(ys)})")
             ax.fill_between(steps, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
         ax.set_title(f"{setting}-policy ({'1 update' if setting == 'on' else 'several updates'}"
