@@ -52,3 +52,25 @@ def test_ms_zve_table_is_the_stored_benchmark():
                for c in configs.values()]
     assert rows["ZV rate, generated groups"] == rate
     assert rows["trained tokens without gradient"] == no_grad
+
+
+def test_loss_table_is_the_stored_comparison():
+    """The README's five-loss rows are `loss_seeds.json`'s aggregates, rounded as printed."""
+    import json
+
+    with open(os.path.join(REPO, "experiments", "results", "loss_seeds.json")) as f:
+        agg = json.load(f)["aggregate"]
+    rows = [line for line in README.splitlines() if line.startswith("| ") and " pts |" in line]
+    assert rows
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        loss = cells[0]
+        for setting, acc_cell, gain_cell in (("on", cells[1], cells[2]),
+                                             ("off", cells[3], cells[4])):
+            a = agg.get(setting, {}).get(loss)
+            if a is None:
+                assert acc_cell == "-", row
+                continue
+            acc, gain = a["test_accuracy"], a["test_gain"]
+            assert acc_cell == f"{acc['mean']:.3f} ({len(acc['values'])})", row
+            assert gain_cell == f"{100 * gain['mean']:+.1f} +- {100 * gain['std']:.1f} pts", row
