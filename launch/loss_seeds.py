@@ -43,6 +43,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import main_jobs  # noqa: E402  (launch/main_jobs.py, beside this script)
 
+from espo_jax import plot as run_plots  # noqa: E402  (the metrics.jsonl reader; no JAX)
+
 REPO = main_jobs.REPO
 LOSSES = ("espo", "grpo", "dapo", "gspo", "gspo_token")
 SETTINGS = ("on", "off")
@@ -105,31 +107,22 @@ def rl_flags(setting: str, warm_dir: str, max_tokens: int, max_steps: int,
             f"--config.train.updates_per_batch={1 if setting == 'on' else off_updates}"]
 
 
+def _records(run_dir: str) -> list[dict]:
+    return run_plots.read_records(os.path.join(run_dir, "metrics.jsonl"))
+
+
 def validation_curve(run_dir: str) -> list[tuple[int, float]]:
-    """(RL step, validation accuracy) of every evaluation of a run, in order."""
-    curve = []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("eval/accuracy") is not None and r["phase"] in ("rl", "eval"):
-                if not curve or curve[-1][0] != r["step"]:
-                    curve.append((r["step"], r["eval/accuracy"]))
-    return curve
+    """(RL step, validation accuracy) of every evaluation of a run, in step order."""
+    return run_plots.series(_records(run_dir), "eval/accuracy").get("eval/accuracy", [])
 
 
 def clip_stats(run_dir: str) -> dict[str, float]:
     """Means over RL steps of the clip fractions and ratio tails (what says the clips acted)."""
     keys = ("pg/clipfrac_low", "pg/clipfrac_high", "is_ratio/p01", "is_ratio/p99",
             "espo/eps_mean")
-    sums: dict[str, list[float]] = {k: [] for k in keys}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["phase"] == "rl" and r["step"] > 0:
-                for k in keys:
-                    if r.get(k) is not None:
-                        sums[k].append(r[k])
-    return {k: statistics.fmean(v) for k, v in sums.items() if v}
+    rl = [r for r in _records(run_dir) if r["phase"] == "rl" and r["step"] > 0]
+    values = {k: [r[k] for r in rl if r.get(k) is not None] for k in keys}
+    return {k: statistics.fmean(v) for k, v in values.items() if v}
 
 
 def mean_std(values: list[float]) -> dict:
@@ -208,14 +201,9 @@ def clip_table(clips: dict) -> str:
 
 def espo_eps_points(run_dir: str) -> list[tuple[float, float, float]]:
     """(entropy/mean, espo/eps_low, espo/eps_high) of every RL step of an ESPO run."""
-    out = []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["phase"] == "rl" and r.get("espo/eps_high") is not None \
-                    and r.get("entropy/mean") is not None:
-                out.append((r["entropy/mean"], r["espo/eps_low"], r["espo/eps_high"]))
-    return out
+    return [(r["entropy/mean"], r["espo/eps_low"], r["espo/eps_high"])
+            for r in _records(run_dir) if r["phase"] == "rl"
+            and r.get("espo/eps_high") is not None and r.get("entropy/mean") is not None]
 
 
 def plot_espo_eps(points: dict, path: str) -> None:

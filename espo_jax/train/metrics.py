@@ -67,13 +67,13 @@ def rollout_metrics(groups: Sequence[Any], rewards: Sequence[Any]) -> dict[str, 
     if rewards.size != len(responses):
         raise ValueError(f"rollout_metrics: {rewards.size} rewards for {len(responses)} "
                          f"responses")
+    outcomes = np.array([float(bool(r.outcome)) for r in responses])
     out = {
-        "rollout/accuracy": float(np.mean([bool(r.outcome) for r in responses])),
+        "rollout/accuracy": float(outcomes.mean()),
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_max": float(rewards.max()),
         "rollout/response_len_mean": float(np.mean([r.length for r in responses])),
     }
-    outcomes = np.array([float(bool(r.outcome)) for r in responses])
     if not np.array_equal(rewards, outcomes):  # a score is mixed in (stage 2, a task's reward)
         out["reward/inversion_rate"] = inversion_rate(groups, rewards)
     return out
