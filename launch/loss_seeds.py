@@ -24,6 +24,11 @@ WORKDIR/loss_seeds.md (the README's tables), WORKDIR/loss_seeds.png (validation 
 against RL step, mean and min-max band over seeds) and WORKDIR/loss_seeds_espo_eps.png (ESPO's
 clip ranges against entropy). Only the test split's numbers are reported; validation is where
 settings are chosen.
+
+`--merge=FILE` (a json written here, e.g. experiments/results/loss_seeds.json) adds the stored
+runs and warm starts that WORKDIR lacks, so new seeds extend a stored comparison without rerunning
+it; every run keeps the commit it ran on, and a seed whose warm start is in both places must score
+the same in both.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ def define_flags() -> None:
     flags.DEFINE_multi_string("override", [], "x.y=v: --config.x.y=v for every run")
     flags.DEFINE_bool("report_only", False, "run nothing: the tables, json and plots of the "
                       "runs that have finished (a cell lists the seeds it has)")
+    flags.DEFINE_string("merge", None, "a stored loss_seeds.json: its runs and warm starts of "
+                        "the chosen seeds, losses and settings that WORKDIR lacks join the "
+                        "report, each with the commit it ran on")
     flags.mark_flag_as_required("workdir")
 
 
@@ -266,6 +274,54 @@ def plot(curves: dict, path: str) -> None:
     plt.close(fig)
 
 
+TRIM = ("warmstart_accuracy", "final_accuracy", "test_accuracy", "steps", "generated_tokens",
+        "wasted_token_fraction", "mean_abs_logp_mismatch", "rl_seconds", "skipped_updates",
+        "test", "final")
+WARM_TRIM = ("test_accuracy", "final_accuracy", "warmstart_seconds", "test")
+
+
+def stored(path: str, seeds: list[int], settings: list[str], losses: list[str]
+           ) -> tuple[dict, dict]:
+    """A results json written by this script: its warm starts {seed: entry} and runs
+    {(seed, setting, loss): entry} of the chosen seeds, settings and losses. Every entry carries
+    the commit it ran on (its own, or the file's for files that stored one commit for all) and a
+    run's entry its ESPO eps points."""
+    with open(path) as f:
+        result = json.load(f)
+    warm = {int(s): {"commit": result["commit"], **w} for s, w in result["warm"].items()
+            if int(s) in seeds}
+    points = result.get("espo_eps_points", {})
+    runs = {}
+    for setting, by_loss in result["runs"].items():
+        for loss, by_seed in by_loss.items():
+            for s, r in by_seed.items():
+                if int(s) in seeds and setting in settings and loss in losses:
+                    runs[int(s), setting, loss] = {
+                        "commit": result["commit"], **r,
+                        "validation_curve": [tuple(p) for p in r["validation_curve"]],
+                        "espo_eps_points": [tuple(p) for p in
+                                            points.get(setting, {}).get(s, [])]}
+    return warm, runs
+
+
+def merge(warm: dict, runs: dict, warm_in: dict, runs_in: dict, source: str) -> None:
+    """Adds to `warm` and `runs` (WORKDIR's) the entries of `warm_in` and `runs_in` (a stored
+    file's) that WORKDIR lacks. A seed whose warm start is in both must score the same on test
+    in both: its runs from either place then start from the same model (the check is what says
+    the two commits train alike)."""
+    for seed, w in warm_in.items():
+        if seed not in warm:
+            warm[seed] = w
+        elif warm[seed]["test_accuracy"] != w["test_accuracy"]:
+            raise ValueError(
+                f"--merge={source}: seed {seed}'s warm start scores "
+                f"{warm[seed]['test_accuracy']} on test in WORKDIR and {w['test_accuracy']} "
+                f"in the file (commit {w['commit']}): the runs would not share a start")
+    for key, r in runs_in.items():
+        if key not in runs and key[0] in warm:
+            runs[key] = r
+
+
 def _commit() -> str:
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "espo_jax", "experiments"], cwd=REPO,
@@ -302,7 +358,6 @@ def main(argv: list[str]) -> int:
     code = snapshot(workdir)
     with open(os.path.join(code, "commit.txt")) as f:
         first_commit = f.read().strip()
-    runs, curves, clips = {}, {}, {}
     warm_dirs = {seed: os.path.join(workdir, "warm", f"seed{seed}") for seed in seeds}
     run_dirs = {(seed, setting, loss): os.path.join(workdir, setting, loss, f"seed{seed}")
                 for seed in seeds for setting in FLAGS.settings for loss in FLAGS.losses}
@@ -333,43 +388,52 @@ def main(argv: list[str]) -> int:
                                                         run_flags)
             warm = {seed: job.result() for seed, job in warm_jobs.items()}
             finished = {key: future.result() for key, future in jobs.items()}
-    for (seed, setting, loss), summary in finished.items():
-        run_dir = run_dirs[seed, setting, loss]
-        runs.setdefault(setting, {}).setdefault(loss, {})[seed] = summary
-        curves.setdefault(setting, {}).setdefault(loss, {})[seed] = validation_curve(run_dir)
-        clips.setdefault(setting, {}).setdefault(loss, {})[seed] = clip_stats(run_dir)
+    warm = {s: {"commit": first_commit, **{k: w[k] for k in WARM_TRIM if k in w}}
+            for s, w in warm.items()}
+    entries = {}
+    for key, summary in finished.items():
+        run_dir = run_dirs[key]
+        entries[key] = {"commit": first_commit, **{k: summary[k] for k in TRIM if k in summary},
+                        "clip_means": clip_stats(run_dir),
+                        "validation_curve": validation_curve(run_dir),
+                        "espo_eps_points": espo_eps_points(run_dir) if key[2] == "espo" else []}
+    if FLAGS.merge:
+        merge(warm, entries, *stored(FLAGS.merge, seeds, FLAGS.settings, FLAGS.losses),
+              FLAGS.merge)
+    runs, curves, clips, points = {}, {}, {}, {}
+    order = {name: i for i, name in enumerate([*FLAGS.settings, *FLAGS.losses])}
+    for (seed, setting, loss), entry in sorted(
+            entries.items(), key=lambda kv: (order[kv[0][1]], order[kv[0][2]], kv[0][0])):
+        runs.setdefault(setting, {}).setdefault(loss, {})[seed] = entry
+        curves.setdefault(setting, {}).setdefault(loss, {})[seed] = entry["validation_curve"]
+        clips.setdefault(setting, {}).setdefault(loss, {})[seed] = entry["clip_means"]
+        if loss == "espo":
+            points.setdefault(setting, {})[seed] = entry["espo_eps_points"]
+    warm = dict(sorted(warm.items()))
     agg = aggregate(runs, warm)
     text = table(agg, warm) + "\n\n" + clip_table(clips)
     print(text)
     with open(os.path.join(workdir, "loss_seeds.md"), "w") as f:
         f.write(text + "\n")
-    trim = ("warmstart_accuracy", "final_accuracy", "test_accuracy", "steps", "generated_tokens",
-            "wasted_token_fraction", "mean_abs_logp_mismatch", "rl_seconds", "skipped_updates",
-            "test", "final")
+    commits = sorted({e["commit"] for e in [*warm.values(), *entries.values()]})
     result = {
-        "commit": first_commit, "aggregated_at_commit": _commit(), "aggregated": started,
-        "cpu": _cpu(), "jobs": FLAGS.jobs,
+        "commit": first_commit if len(commits) <= 1 else ", ".join(commits),
+        "aggregated_at_commit": _commit(), "aggregated": started, "cpu": _cpu(),
+        "jobs": FLAGS.jobs,
         "flags": {"max_tokens": FLAGS.max_tokens, "max_steps": FLAGS.max_steps,
                   "off_updates": FLAGS.off_updates, "eval_every": FLAGS.eval_every,
-                  "small": FLAGS.small, "override": extra},
-        "warm": {s: {k: w[k] for k in ("test_accuracy", "final_accuracy", "warmstart_seconds",
-                                        "test") if k in w} for s, w in warm.items()},
+                  "small": FLAGS.small, "override": extra, "merge": FLAGS.merge},
+        "warm": warm,
         "aggregate": agg,
-        "runs": {st: {lo: {s: {**{k: r[k] for k in trim if k in r},
-                                "clip_means": clips[st][lo][s],
-                                "validation_curve": curves[st][lo][s]}
-                            for s, r in by_seed.items()} for lo, by_seed in by_loss.items()}
+        "runs": {st: {lo: {s: {k: v for k, v in r.items() if k != "espo_eps_points"}
+                           for s, r in by_seed.items()} for lo, by_seed in by_loss.items()}
                  for st, by_loss in runs.items()},
+        "espo_eps_points": points,
     }
     with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(curves, os.path.join(workdir, "loss_seeds.png"))
-    if "espo" in FLAGS.losses:
-        points = {st: {s: espo_eps_points(run_dirs[s, st, "espo"]) for s in seeds
-                       if (s, st, "espo") in finished} for st in FLAGS.settings}
-        result["espo_eps_points"] = points
-        with open(os.path.join(workdir, "loss_seeds.json"), "w") as f:
-            json.dump(result, f, indent=2)
+    if points:
         plot_espo_eps(points, os.path.join(workdir, "loss_seeds_espo_eps.png"))
     print(f"written: {workdir}/loss_seeds.md, loss_seeds.json, loss_seeds*.png")
     return 0

@@ -94,3 +94,45 @@ def test_small_launch_runs_then_resumes_without_rerunning(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("already finished") == 2 and "started" not in again.stdout
+
+
+def _finished(root, rel, summary):
+    (root / rel).mkdir(parents=True)
+    (root / rel / "summary.json").write_text(json.dumps(summary))
+    (root / rel / "metrics.jsonl").write_text(json.dumps(
+        {"step": 0, "phase": "eval", "eval/accuracy": summary["final_accuracy"]}) + "\n")
+
+
+def test_merge_extends_a_stored_comparison(tmp_path):
+    """--merge: a stored file's seed 0 joins WORKDIR's seed 1 (gains against each seed's own warm
+    start, each run with its commit); the file's seed-1 run, which WORKDIR also has, is not
+    taken; a seed-1 warm start that scores differently in the two places is refused."""
+    stored = {"commit": "old", "warm": {"0": {"test_accuracy": 0.5, "final_accuracy": 0.5},
+                                        "1": {"test_accuracy": 0.6, "final_accuracy": 0.6}},
+              "runs": {"on": {"grpo": {
+                  s: {**_run(acc, acc), "clip_means": {}, "validation_curve": [[0, acc]]}
+                  for s, acc in (("0", 0.7), ("1", 0.1))}}},
+              "espo_eps_points": {}}
+    (tmp_path / "stored.json").write_text(json.dumps(stored))
+    work = tmp_path / "work"
+    _finished(work, "warm/seed1", {"test_accuracy": 0.6, "final_accuracy": 0.6})
+    _finished(work, "on/grpo/seed1", _run(0.9, 0.8))
+    (work / "code").mkdir()
+    (work / "code" / "commit.txt").write_text("new\n")
+    cmd = [sys.executable, os.path.join(REPO, "launch", "loss_seeds.py"), f"--workdir={work}",
+           "--seeds=0,1", "--losses=grpo", "--settings=on", "--report_only",
+           f"--merge={tmp_path / 'stored.json'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((work / "loss_seeds.json").read_text())
+    grpo = result["aggregate"]["on"]["grpo"]
+    # seed 0 from the file: 0.7 - 0.5; seed 1 from WORKDIR (not the file's 0.1): 0.9 - 0.6
+    assert grpo["seeds"] == [0, 1]
+    assert grpo["test_gain"]["values"] == pytest.approx([0.2, 0.3])
+    runs = result["runs"]["on"]["grpo"]
+    assert (runs["0"]["commit"], runs["1"]["commit"]) == ("old", "new")
+    assert result["commit"] == "new, old"
+    stored["warm"]["1"]["test_accuracy"] = 0.65
+    (tmp_path / "stored.json").write_text(json.dumps(stored))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "seed 1's warm start scores 0.6" in proc.stderr
