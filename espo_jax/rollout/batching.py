@@ -56,6 +56,20 @@ def request_key(rng: jax.Array, seed: int, sample_idx: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(rng, seed), sample_idx)
 
 
+@jax.jit
+def _request_key_data(rng: jax.Array, seeds_R: jax.Array, samples_R: jax.Array) -> jax.Array:
+    keys = jax.vmap(request_key, in_axes=(None, 0, 0))(rng, seeds_R, samples_R)
+    return jax.random.key_data(keys)
+
+
+def request_key_data(rng: jax.Array, seeds: Sequence[int], samples: Sequence[int]) -> np.ndarray:
+    """`request_key(rng, seeds[r], samples[r])` for every r as raw key data on the host
+    ([R, ...] uint32, what `Engine.insert_many` takes as keys): one compiled call for an
+    admission round instead of two dispatches per sample."""
+    return np.asarray(_request_key_data(rng, np.asarray(seeds, np.int32),
+                                        np.asarray(samples, np.int32)))
+
+
 # ---- the driver ---------------------------------------------------------------------------------
 def check_requests(engine, requests: Sequence[Request], n_samples: int, sampling) -> None:
     for i, r in enumerate(requests):
@@ -111,12 +125,13 @@ def admit(engine, params, state, requests, rng, sps, blocks, prefixes, admitted)
         prefix = engine.prefill_many(params, [requests[j].tokens for j in block],
                                    rows=engine.prefill_rows)
         prefixes.update({j: (prefix, row) for row, j in enumerate(block)})
+    keys = request_key_data(
+        rng, [i if requests[i].seed is None else requests[i].seed for _, i, _ in admitted],
+        [g for _, _, g in admitted])
     calls: dict[int, tuple[Prefix, list]] = {}
-    for slot, i, g in admitted:
+    for (slot, i, _), key in zip(admitted, keys, strict=True):
         prefix, row = prefixes[i]
-        seed = i if requests[i].seed is None else requests[i].seed
-        calls.setdefault(id(prefix), (prefix, []))[1].append(
-            (slot, row, request_key(rng, seed, g), sps[i]))
+        calls.setdefault(id(prefix), (prefix, []))[1].append((slot, row, key, sps[i]))
     for prefix, entries in calls.values():
         state = engine.insert_many(prefix, state, entries, pad_to=engine.max_slots)
     return state

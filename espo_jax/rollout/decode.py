@@ -2,6 +2,7 @@
 
 - `prefill_jit(config, params, tokens_NxP, lengths_N) -> Prefix`: N prompts (one padded length
   P) through the model into their own KV caches; logits at each last token; routed experts.
+- `init_state_jit(config, B, S, max_stop_tokens) -> DecodeState`: every slot free.
 - `insert_jit(prefix, state, slots_R, rows_R, keys_R, slot_sampling) -> DecodeState`: prefix
   rows copied into decode slots (padding entries: slot >= B), their first tokens drawn; one call
   admits every sample of an admission round that shares the prefix batch.
@@ -159,6 +160,27 @@ def _insert(prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R, sp: Slo
     )
 
 
+def _init_state(config: ModelConfig, b: int, s: int, max_stop_tokens: int) -> DecodeState:
+    zeros = lambda dt: jnp.zeros((b,), dt)
+    return DecodeState(
+        cache=models.init_cache(config, b, s),
+        cache_mask_BxS=jnp.zeros((b, s), bool),
+        tokens_BxS=jnp.zeros((b, s), jnp.int32),
+        logprobs_BxS=jnp.zeros((b, s), jnp.float32),
+        experts_BxSxMxk=jnp.full((b, s, config.n_moe_layers, config.top_k), -1, jnp.int16),
+        pos_B=zeros(jnp.int32),
+        prompt_len_B=zeros(jnp.int32),
+        phase_B=zeros(jnp.int32),
+        keys_B=jax.random.split(jax.random.key(0), b),
+        temperature_B=zeros(jnp.float32),
+        top_k_B=zeros(jnp.int32),
+        top_p_B=jnp.ones((b,), jnp.float32),
+        max_new_B=zeros(jnp.int32),
+        stop_BxN=jnp.full((b, max_stop_tokens), -1, jnp.int32),
+        busy_steps=jnp.zeros((), jnp.int32),
+    )
+
+
 def _decode_step(config: ModelConfig, params: dict, state: DecodeState):
     b, s = state.tokens_BxS.shape
     rows = jnp.arange(b)
@@ -203,6 +225,7 @@ def _generate(config, n_steps: int, params: dict, state: DecodeState):
     return jax.lax.scan(lambda st, _: step(st), state, None, length=n_steps)
 
 
+init_state_jit = jax.jit(_init_state, static_argnums=(0, 1, 2, 3))
 prefill_jit = jax.jit(_prefill, static_argnums=0)
 insert_jit = jax.jit(_insert, donate_argnums=(1,))
 generate_jit = jax.jit(_generate, static_argnums=(0, 1), donate_argnums=(3,))

@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from espo_jax import models
 from espo_jax.models import quant
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout import batching
@@ -59,6 +58,7 @@ from espo_jax.rollout.decode import (  # noqa: F401  (re-exported: the engine's 
     SlotSampling,
     engine_params,
     generate_jit,
+    init_state_jit,
     insert_jit,
     prefill_jit,
 )
@@ -156,25 +156,10 @@ class Engine:
         return prefill_jit(self.config, params, jnp.asarray(tokens), jnp.asarray(lengths))
 
     def init_decode_state(self) -> DecodeState:
-        c, b, s = self.config, self.max_slots, self.max_cache_len
-        zeros = lambda dt: jnp.zeros((b,), dt)
-        return DecodeState(
-            cache=models.init_cache(c, b, s),
-            cache_mask_BxS=jnp.zeros((b, s), bool),
-            tokens_BxS=jnp.zeros((b, s), jnp.int32),
-            logprobs_BxS=jnp.zeros((b, s), jnp.float32),
-            experts_BxSxMxk=jnp.full((b, s, c.n_moe_layers, c.top_k), -1, jnp.int16),
-            pos_B=zeros(jnp.int32),
-            prompt_len_B=zeros(jnp.int32),
-            phase_B=zeros(jnp.int32),
-            keys_B=jax.random.split(jax.random.key(0), b),
-            temperature_B=zeros(jnp.float32),
-            top_k_B=zeros(jnp.int32),
-            top_p_B=jnp.ones((b,), jnp.float32),
-            max_new_B=zeros(jnp.int32),
-            stop_BxN=jnp.full((b, self.max_stop_tokens), -1, jnp.int32),
-            busy_steps=jnp.zeros((), jnp.int32),
-        )
+        """Every slot free (one compiled call: built op by op it cost more host time than the
+        decode steps of a short rollout)."""
+        return init_state_jit(self.config, self.max_slots, self.max_cache_len,
+                              self.max_stop_tokens)
 
     def slot_sampling(self, sampling: SamplingConfig) -> SlotSampling:
         """`sampling` as the (host) arrays `insert` takes; checks it fits this engine."""
@@ -218,13 +203,18 @@ class Engine:
     def insert_many(self, prefix: Prefix, decode_state: DecodeState, entries, pad_to: int
                     ) -> DecodeState:
         """One call for `entries` = [(slot, prefix row, key, SlotSampling)], padded to `pad_to`
-        entries (a fixed count compiles once per prefix shape)."""
+        entries (a fixed count compiles once per prefix shape). Keys are PRNG keys, or all raw
+        key data on the host (`batching.request_key_data` rows), stacked without a dispatch."""
         pad = pad_to - len(entries)
         if not entries or pad < 0:
             raise ValueError(f"insert_many takes 1..{pad_to} entries, got {len(entries)}")
         slots = np.array([e[0] for e in entries] + [self.max_slots] * pad, np.int32)
         rows = np.array([e[1] for e in entries] + [0] * pad, np.int32)
-        keys = jnp.stack([e[2] for e in entries] + [entries[0][2]] * pad)
+        keys = [e[2] for e in entries] + [entries[0][2]] * pad
+        if all(isinstance(k, np.ndarray) for k in keys):
+            keys = jax.random.wrap_key_data(np.stack(keys))
+        else:
+            keys = jnp.stack(keys)
         sps = [e[3] for e in entries] + [entries[0][3]] * pad
         sp = SlotSampling(*(np.stack([np.asarray(getattr(x, f.name)) for x in sps])
                             for f in dataclasses.fields(SlotSampling)))

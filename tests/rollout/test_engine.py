@@ -356,3 +356,15 @@ def test_engine_params_per_precision(params):
     assert moe["router"]["kernel"].dtype == jnp.float32  # the router stays fp32
     assert p8["layers_0"]["attn"]["q_proj"]["kernel"]["qvalue"].dtype == jnp.float8_e4m3fn
     assert p8["lm_head"]["kernel"].dtype == jnp.float32
+
+
+def test_batched_request_keys_equal_one_at_a_time():
+    """An admission round draws its keys in one call: each is request_key(rng, seed, sample)
+    bit for bit (the samples depend on nothing else)."""
+    from espo_jax.rollout.batching import request_key, request_key_data
+
+    rng = jax.random.key(7)
+    seeds, samples = [0, 3, 3, 11, 2**20], [0, 0, 5, 1, 63]
+    batched = request_key_data(rng, seeds, samples)
+    for row, s, g in zip(batched, seeds, samples, strict=True):
+        np.testing.assert_array_equal(row, jax.random.key_data(request_key(rng, s, g)))
