@@ -62,12 +62,17 @@ def _request_key_data(rng: jax.Array, seeds_R: jax.Array, samples_R: jax.Array) 
     return jax.random.key_data(keys)
 
 
-def request_key_data(rng: jax.Array, seeds: Sequence[int], samples: Sequence[int]) -> np.ndarray:
+def request_key_data(rng: jax.Array, seeds: Sequence[int], samples: Sequence[int],
+                     pad_to: int = 0) -> np.ndarray:
     """`request_key(rng, seeds[r], samples[r])` for every r as raw key data on the host
     ([R, ...] uint32, what `Engine.insert_many` takes as keys): one compiled call for an
-    admission round instead of two dispatches per sample."""
-    return np.asarray(_request_key_data(rng, np.asarray(seeds, np.int32),
-                                        np.asarray(samples, np.int32)))
+    admission round instead of two dispatches per sample; the call computes `pad_to` rows
+    (when larger), so rounds of any size share one compiled shape."""
+    r = len(seeds)
+    rows = max(r, pad_to)
+    seeds_R, samples_R = np.zeros(rows, np.uint32), np.zeros(rows, np.uint32)
+    seeds_R[:r], samples_R[:r] = seeds, samples
+    return np.asarray(_request_key_data(rng, seeds_R, samples_R))[:r]
 
 
 # ---- the driver ---------------------------------------------------------------------------------
@@ -127,7 +132,7 @@ def admit(engine, params, state, requests, rng, sps, blocks, prefixes, admitted)
         prefixes.update({j: (prefix, row) for row, j in enumerate(block)})
     keys = request_key_data(
         rng, [i if requests[i].seed is None else requests[i].seed for _, i, _ in admitted],
-        [g for _, _, g in admitted])
+        [g for _, _, g in admitted], pad_to=engine.max_slots)
     calls: dict[int, tuple[Prefix, list]] = {}
     for (slot, i, _), key in zip(admitted, keys, strict=True):
         prefix, row = prefixes[i]

@@ -364,7 +364,8 @@ def test_batched_request_keys_equal_one_at_a_time():
     from espo_jax.rollout.batching import request_key, request_key_data
 
     rng = jax.random.key(7)
-    seeds, samples = [0, 3, 3, 11, 2**20], [0, 0, 5, 1, 63]
-    batched = request_key_data(rng, seeds, samples)
+    seeds, samples = [0, 3, 3, 11, 2**20, 2**32 - 1], [0, 0, 5, 1, 63, 2]
+    batched = request_key_data(rng, seeds, samples, pad_to=8)
+    assert batched.shape[0] == len(seeds)
     for row, s, g in zip(batched, seeds, samples, strict=True):
         np.testing.assert_array_equal(row, jax.random.key_data(request_key(rng, s, g)))
