@@ -104,19 +104,23 @@ class Progress:
         self.start = time.time()
         self._tenth = -1
 
-    def update(self, done: int, metrics: Mapping[str, float] | None = None) -> None:
-        frac = min(done / self.total, 1.0)
+    def update(self, done: int, metrics: Mapping[str, float] | None = None,
+               frac: float | None = None) -> None:
+        """`done` of `total` steps; `frac` (when given) is the share of the phase behind, for
+        phases that end on another budget than their step count (the bar and eta follow it)."""
+        frac = min(done / self.total if frac is None else frac, 1.0)
         width = 24
         bar = "#" * int(frac * width) + "." * (width - int(frac * width))
         elapsed = time.time() - self.start
         eta = elapsed / frac - elapsed if frac > 0 else 0.0
         shown = "  ".join(f"{k} {v:.3g}" for k, v in (metrics or {}).items())
         line = (f"{self.phase:<10} [{bar}] {done}/{self.total}  {elapsed:.0f} s"
-                f"{f' (eta {eta:.0f} s)' if done < self.total else ''}  {shown}")
+                f"{f' (eta {eta:.0f} s)' if frac < 1.0 else ''}  {shown}")
+        end = done >= self.total or frac >= 1.0
         if self.tty:
-            self.stream.write("\r\x1b[2K" + line + ("\n" if done >= self.total else ""))
+            self.stream.write("\r\x1b[2K" + line + ("\n" if end else ""))
             self.stream.flush()
-        elif int(frac * 10) > self._tenth or done >= self.total:
+        elif int(frac * 10) > self._tenth or end:
             self._tenth = int(frac * 10)
             self.stream.write(line + "\n")
             self.stream.flush()

@@ -302,7 +302,8 @@ class AsyncRun(Run):
                 progress.update(step, {"rollout acc": metrics["rollout/accuracy"],
                                        "staleness": metrics["async/staleness_max"],
                                        "workers": metrics["workers/live"],
-                                       "s/step": metrics["time/step_s"]})
+                                       "s/step": metrics["time/step_s"]},
+                                frac=self.share_done(step, meta))
                 too_many_failed = failed > c.rollout.max_failed_reward_frac
                 if step % c.checkpoint.every == 0 or done or too_many_failed:
                     meta.update(cursor=reader.cursor)

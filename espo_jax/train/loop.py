@@ -163,6 +163,17 @@ class Run:
         spent = meta["generated_tokens"] + meta["offline_tokens"]
         return step >= self.config.train.steps or (budget > 0 and spent >= budget)
 
+    def share_done(self, step: int, meta: dict) -> float:
+        """How much of RL is behind after `step`: of its steps, or of the tokens its budget
+        leaves after the offline pass when that is further along (what the progress bar and
+        its eta show; 1 when `finished`)."""
+        budget = self.config.train.max_tokens
+        steps = step / self.config.train.steps
+        if budget <= 0:
+            return steps
+        left = budget - meta["offline_tokens"]
+        return max(steps, meta["generated_tokens"] / left if left > 0 else 1.0)
+
     def make_learner(self, state, meta) -> Learner:
         """The learner for `state`'s shardings, with the warm-start levels' worked solutions as
         its anchor when `train.anchor_coef` > 0; with `loss.kl_coef` > 0 its reference is the
@@ -321,7 +332,8 @@ class SyncRun(Run):
                                    "zv frac": zmetrics.get("zve/zero_variance_frac_before", 0.0),
                                    "s/step": metrics["time/step_s"],
                                    **({"held-out acc": metrics["eval/accuracy"]}
-                                      if "eval/accuracy" in metrics else {})})
+                                      if "eval/accuracy" in metrics else {})},
+                            frac=self.share_done(step, meta))
             too_many_failed = failed > c.rollout.max_failed_reward_frac
             if step % c.checkpoint.every == 0 or done or too_many_failed:
                 meta.update(cursor=reader.cursor, zve=zve.state_dict(),
