@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-DISPATCHES = ("dropless", "capacity", "ragged", "dense")
+DISPATCHES = ("dropless", "dropless_loop", "capacity", "ragged", "dense")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 

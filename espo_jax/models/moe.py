@@ -9,6 +9,11 @@ Dispatch implementations (`ModelConfig.dispatch`):
   weights gathered. Every token reaches exactly its top-k experts (as Hugging Face and vLLM
   compute it); static shapes (A + E*(block-1) rows at most); the fastest exact dispatch
   measured on CPU.
+- "dropless_loop": the same blocks, each block's expert weights read inside a `lax.map` over
+  the blocks rather than gathered into a copy of all of them. The forward is the same bit for
+  bit; it saves the weight copies (~28% of a decode step's device time on the GRPO peers
+  workload) but its gradient accumulates per block and is slower, so it is the rollout
+  engine's dispatch (`rollout.decode.engine_params`), not the learner's.
 - "capacity": each expert takes at most C = ceil(A/E * capacity_factor) assignments, the rest
   are dropped (their contribution is zero) and counted in `moe/dropped_frac`.
 - "ragged": `jax.lax.ragged_dot` grouped matmul (exact; fast on GPU/TPU, slow on CPU).
@@ -151,8 +156,10 @@ def block_size(n_assignments: int, n_experts: int) -> int:
 
 
 def dropless_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
-                      block: int | None = None) -> jax.Array:
-    """Exact top-k MoE with static shapes: expert groups padded to `block` rows."""
+                      block: int | None = None, loop: bool = False) -> jax.Array:
+    """Exact top-k MoE with static shapes: expert groups padded to `block` rows. `loop`: each
+    block's expert weights are read inside a `lax.map` over the blocks instead of gathered
+    into a [blocks, D, F] copy (the same forward bit for bit; see the module docstring)."""
     n, k = idx_Nxk.shape
     e = wg_ExDxF.shape[0]
     a = n * k
@@ -167,7 +174,12 @@ def dropless_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
     x_GxRxD = _gather_rows(x_NxD, dest_A, k, n_blocks * b).reshape(n_blocks, b, -1)
     block_e = jnp.searchsorted(ends_E, jnp.arange(n_blocks) * b, side="right")
     block_e = jnp.minimum(block_e, e - 1)  # trailing all-padding blocks
-    y = expert_ffn(x_GxRxD, wg_ExDxF[block_e], wu_ExDxF[block_e], wo_ExFxD[block_e])
+    if loop:
+        y = jax.lax.map(lambda xe: expert_ffn(xe[0][None], wg_ExDxF[xe[1]][None],
+                                              wu_ExDxF[xe[1]][None], wo_ExFxD[xe[1]][None])[0],
+                        (x_GxRxD, block_e))
+    else:
+        y = expert_ffn(x_GxRxD, wg_ExDxF[block_e], wu_ExDxF[block_e], wo_ExFxD[block_e])
     return _combine(y.reshape(n_blocks * b, -1), dest_A, weights_Nxk)
 
 
@@ -259,8 +271,9 @@ class MoeBlock(nn.Module):
         wg, wu, wo = (quant.maybe_dequant(w, c.dtype) for w in (wg, wu, wo))
         xc = x_NxD.astype(c.dtype)
         dropped = jnp.zeros((), jnp.float32)
-        if c.dispatch == "dropless":
-            y_NxD = dropless_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo)
+        if c.dispatch in ("dropless", "dropless_loop"):
+            y_NxD = dropless_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo,
+                                      loop=c.dispatch == "dropless_loop")
         elif c.dispatch == "capacity":
             y_NxD, dropped = capacity_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo,
                                                c.capacity_factor, mask_N)

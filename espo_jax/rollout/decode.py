@@ -75,10 +75,13 @@ class DecodeState:
 
 
 def engine_params(params: dict, config: ModelConfig, precision: str) -> tuple[dict, ModelConfig]:
-    """Learner parameters converted for the engine, and the engine's model config."""
+    """Learner parameters converted for the engine, and the engine's model config: its MoE
+    dispatch is exact (capacity's dropped tokens would be samples the learner cannot score)
+    and, for the dropless layouts, the looped one (the same forward, no weight copies)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} unknown; choose one of {PRECISIONS}")
-    dispatch = "dropless" if config.dispatch == "capacity" else config.dispatch
+    dispatch = ("dropless_loop" if config.dispatch in ("dropless", "capacity")
+                else config.dispatch)
     if precision == "bf16":
         cfg = config.replace(dtype="bfloat16", param_dtype="bfloat16", dispatch=dispatch)
         cast = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
