@@ -116,7 +116,7 @@ class Progress:
         shown = "  ".join(f"{k} {v:.3g}" for k, v in (metrics or {}).items())
         line = (f"{self.phase:<10} [{bar}] {done}/{self.total}  {elapsed:.0f} s"
                 f"{f' (eta {eta:.0f} s)' if frac < 1.0 else ''}  {shown}")
-        end = done >= self.total or frac >= 1.0
+        end = frac >= 1.0  # done >= total when no share is given
         if self.tty:
             self.stream.write("\r\x1b[2K" + line + ("\n" if end else ""))
             self.stream.flush()
