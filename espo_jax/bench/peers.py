@@ -8,8 +8,9 @@ The workload is the one TRL's own GRPO tests use, scaled to a CPU: a random `tra
 saved with `save_pretrained` and read into espo_jax with `hf_io.from_pretrained`, so both sides
 run the same weights. A 64-symbol character tokenizer (`PreTrainedTokenizerFast`; its eos/pad
 marker is id 64, which the model cannot emit, so every response has exactly the new-token budget
-on both sides). In one process, each side timed alone (one after the other, never interleaved),
-medians of repeats after warm-up, compile / first-call time reported apart:
+on both sides). In one process, the two sides timed in alternation (an espo_jax repeat after each
+peer repeat, so drift in the machine's speed lands on both), medians of repeats after warm-up,
+compile / first-call time reported apart:
 
 (a) GRPO step: 8 prompts x 8 samples of 16 prompt + 32 new tokens, temperature 1, reward =
     fraction of even token ids in the response, GRPO advantages, beta 0, one AdamW update per
@@ -17,7 +18,7 @@ medians of repeats after warm-up, compile / first-call time reported apart:
     log-probs and routing recorded) + the `Learner` update (GRPO loss, router replay R3).
     TRL: `GRPOTrainer` (loss_type "grpo", num_iterations 1, HF `generate`); its step is timed
     by a callback from `on_step_begin` to `on_step_end` (generation, reward, loss, backward,
-    optimizer).
+    optimizer); an espo_jax step runs after each TRL step, outside TRL's timed window.
 (b) Generation: 64 sequences x 48 new tokens after 16-token prompts, sampling at temperature 1:
     `Engine.generate_groups` against `model.generate(do_sample=True)` (`bench.engine`'s, on
     the weights exported back with `hf_io.save_pretrained`).
@@ -34,6 +35,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,11 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from espo_jax import configs, sharding
-from espo_jax.bench import format_table, median_time
+from espo_jax.bench import format_table
 from espo_jax.bench.engine import _hf_generate
 from espo_jax.bench.model import (
     _jax_stepper,
     _torch_stepper,
+    interleaved_medians,
     matmul_params_per_token,
     peak_matmul_flops,
     train_flops_per_token,
@@ -204,8 +207,10 @@ def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[in
 
 
 # ---- the peers ----------------------------------------------------------------------------------
-def trl_grpo_seconds(model_dir: str, prompts: list[str], steps: int, out_dir: str):
-    """Per-step seconds of TRL's GRPOTrainer on the workload (first step included)."""
+def trl_grpo_seconds(model_dir: str, prompts: list[str], steps: int, out_dir: str,
+                     between: Callable[[], object] | None = None):
+    """Per-step seconds of TRL's GRPOTrainer on the workload (first step included).
+    `between()`, if given, runs after each step has been timed (outside the timed window)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -223,6 +228,8 @@ def trl_grpo_seconds(model_dir: str, prompts: list[str], steps: int, out_dir: st
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds.append(time.perf_counter() - self._t)
+            if between is not None:
+                between()
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -272,11 +279,14 @@ def run(quick: bool) -> dict:
         espo.step()
         espo_first = time.perf_counter() - t0
         espo_steps, splits = [], []
-        for _ in range(repeats):
+
+        def espo_step() -> None:  # after each TRL step: the two alternate
             espo_steps.append(espo.step())
             splits.append(espo.last)
+
         trl_secs, trl_info = trl_grpo_seconds(model_dir, texts, repeats + 1,
-                                              os.path.join(tmp, "trl"))
+                                              os.path.join(tmp, "trl"), between=espo_step)
+        espo_steps, splits = espo_steps[1:], splits[1:]  # as TRL's first step, left out
         grpo = {
             "espo_step_s": statistics.median(espo_steps),
             "espo_rollout_s": statistics.median(s["rollout_s"] for s in splits),
@@ -296,8 +306,9 @@ def run(quick: bool) -> dict:
         n_tokens = espo_gen()
         espo_gen_first = time.perf_counter() - t0
         assert n_tokens == GEN_SEQS * GEN_NEW, n_tokens
-        espo_gen_s = median_time(espo_gen, repeats, warmup=0)
-        hf_gen_s = median_time(hf_gen, repeats, warmup=1)
+        hf_gen()  # warm-up
+        gen_s = interleaved_medians({"espo": espo_gen, "hf": hf_gen}, repeats)
+        espo_gen_s, hf_gen_s = gen_s["espo"], gen_s["hf"]
         gen_flops = sum(generate_flops_per_token(model_config, PROMPT_LEN + t)
                         for t in range(GEN_NEW)) * GEN_SEQS
         gen = {"espo_tokens_per_s": n_tokens / espo_gen_s, "hf_tokens_per_s": n_tokens / hf_gen_s,
@@ -309,9 +320,10 @@ def run(quick: bool) -> dict:
         tokens = np.random.default_rng(2).integers(0, len(SYMBOLS), (TRAIN_B, TRAIN_T),
                                                    dtype=np.int32)
         jax_step, jx = _jax_stepper(model_config, params, tokens)
-        jax_s = median_time(jax_step, repeats, warmup=1)
         torch_step, th = _torch_stepper(model_config, params, tokens)
-        torch_s = median_time(torch_step, repeats, warmup=1)
+        jax_step(), torch_step()  # warm-up
+        train_s = interleaved_medians({"jax": jax_step, "torch": torch_step}, repeats)
+        jax_s, torch_s = train_s["jax"], train_s["torch"]
         flops = train_flops_per_token(model_config, TRAIN_T) * TRAIN_B * TRAIN_T
         train = {"jax_tokens_per_s": TRAIN_B * TRAIN_T / jax_s,
                  "torch_tokens_per_s": TRAIN_B * TRAIN_T / torch_s,

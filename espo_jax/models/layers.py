@@ -94,24 +94,27 @@ def rope(x_BxTxNxA: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Ar
 
 
 def write_cache(
-    cache_BxSxKxA: jax.Array, new_BxTxKxA: jax.Array, slots_BxT: jax.Array
+    cache_BxKxSxA: jax.Array, new_BxTxKxA: jax.Array, slots_BxT: jax.Array
 ) -> jax.Array:
-    """Write row b's T new entries at cache slots `slots_BxT[b]`; slots >= S are dropped."""
-    b_idx = jnp.arange(new_BxTxKxA.shape[0])[:, None]
-    return cache_BxSxKxA.at[b_idx, slots_BxT].set(
-        new_BxTxKxA.astype(cache_BxSxKxA.dtype), mode="drop"
+    """Write row b's T new entries at cache slots `slots_BxT[b]` (of every kv head); slots >= S
+    are dropped."""
+    b, _, k, _ = new_BxTxKxA.shape
+    b_idx, k_idx = jnp.arange(b)[:, None, None], jnp.arange(k)[None, None, :]
+    return cache_BxKxSxA.at[b_idx, k_idx, slots_BxT[:, :, None]].set(
+        new_BxTxKxA.astype(cache_BxKxSxA.dtype), mode="drop"
     )
 
 
 def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
-                segments_BxT: jax.Array | None = None, *, keys_BxSxKxA: jax.Array,
-                values_BxSxKxA: jax.Array, key_pos_BxS: jax.Array, key_valid_BxS: jax.Array,
+                segments_BxT: jax.Array | None = None, *, keys_BxKxSxA: jax.Array,
+                values_BxKxSxA: jax.Array, key_pos_BxS: jax.Array, key_valid_BxS: jax.Array,
                 key_segments_BxS: jax.Array | None = None, dtype: Any) -> jax.Array:
     """Softmax attention of queries at `positions_BxT` over the keys at positions <= theirs
     that are valid (and, given segment ids, of the query's own segment: packed rows); scores
-    and softmax in fp32. Materialises the [B, K, G, T, S] scores."""
+    and softmax in fp32. Materialises the [B, K, G, T, S] scores. Keys and values are kv-head
+    major, the KV cache's layout: a decode step reads each head's keys as one [S, A] block."""
     a = q_BxTxKxGxA.shape[-1]
-    scores = jnp.einsum("btkga,bska->bkgts", q_BxTxKxGxA, keys_BxSxKxA,
+    scores = jnp.einsum("btkga,bksa->bkgts", q_BxTxKxGxA, keys_BxKxSxA,
                         preferred_element_type=jnp.float32) * (a ** -0.5)
     mask_BxTxS = (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]) & key_valid_BxS[
         :, None, :
@@ -122,7 +125,7 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
     # gets a uniform, finite distribution instead of NaN; its output is never used.
     scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bkgts,bska->btkga", probs, values_BxSxKxA)
+    return jnp.einsum("bkgts,bksa->btkga", probs, values_BxKxSxA)
 
 
 def chunked(attend: Callable[..., jax.Array], q_BxTxKxGxA: jax.Array,
@@ -181,27 +184,28 @@ class Attention(nn.Module):
 
         new_cache = None
         if cache is None:
-            keys_BxSxKxA, values_BxSxKxA = k_BxTxKxA, v_BxTxKxA
+            keys_BxKxSxA = jnp.swapaxes(k_BxTxKxA, 1, 2)
+            values_BxKxSxA = jnp.swapaxes(v_BxTxKxA, 1, 2)
             key_pos_BxS, key_valid_BxS = positions_BxT, valid_BxT
             key_segments_BxS = segments_BxT
         else:
-            s = cache["k"].shape[1]
+            s = cache["k"].shape[2]
             # Padding tokens (valid False) are not written: their slot index S is dropped.
             slots_BxT = jnp.where(valid_BxT, positions_BxT, s)
             new_cache = {"k": write_cache(cache["k"], k_BxTxKxA, slots_BxT),
                          "v": write_cache(cache["v"], v_BxTxKxA, slots_BxT)}
-            keys_BxSxKxA = new_cache["k"].astype(c.dtype)
-            values_BxSxKxA = new_cache["v"].astype(c.dtype)
+            keys_BxKxSxA = new_cache["k"].astype(c.dtype)
+            values_BxKxSxA = new_cache["v"].astype(c.dtype)
             key_pos_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
-            written_BxS = write_cache(jnp.zeros((b, s, 1, 1), bool),
-                                      jnp.ones((b, t, 1, 1), bool), slots_BxT)[..., 0, 0]
+            written_BxS = write_cache(jnp.zeros((b, 1, s, 1), bool),
+                                      jnp.ones((b, t, 1, 1), bool), slots_BxT)[:, 0, :, 0]
             key_valid_BxS = cache_mask_BxS | written_BxS
             key_segments_BxS = None  # a cache row holds one sequence
 
         g = h // kv
         q_BxTxKxGxA = q_BxTxHxA.reshape(b, t, kv, g, a)
-        attend = functools.partial(attend_keys, keys_BxSxKxA=keys_BxSxKxA,
-                                   values_BxSxKxA=values_BxSxKxA, key_pos_BxS=key_pos_BxS,
+        attend = functools.partial(attend_keys, keys_BxKxSxA=keys_BxKxSxA,
+                                   values_BxKxSxA=values_BxKxSxA, key_pos_BxS=key_pos_BxS,
                                    key_valid_BxS=key_valid_BxS,
                                    key_segments_BxS=key_segments_BxS, dtype=c.dtype)
         if c.attention_chunk and t > c.attention_chunk:

@@ -57,7 +57,7 @@ class SlotSampling:
 class DecodeState:
     """Everything about the B decode slots; S = max_cache_len."""
 
-    cache: dict  # per layer k, v [B, S, K, A]
+    cache: dict  # per layer k, v [B, K, S, A]
     cache_mask_BxS: jax.Array  # True = slot holds a real token of the row's sequence
     tokens_BxS: jax.Array  # prompt then sampled tokens
     logprobs_BxS: jax.Array  # at sampled positions
@@ -126,7 +126,7 @@ def _insert(prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R, sp: Slo
     r = slots_R.shape[0]
     n_R = prefix.lengths_N[rows_R]
     cache = jax.tree.map(
-        lambda c, new: c.at[slots_R, :p].set(new[rows_R].astype(c.dtype), mode="drop"),
+        lambda c, new: c.at[slots_R, :, :p].set(new[rows_R].astype(c.dtype), mode="drop"),
         state.cache,
         prefix.cache,
     )

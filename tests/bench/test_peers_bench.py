@@ -55,5 +55,8 @@ def test_a_grpo_step_on_each_side(workload, tmp_path):
              for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(espo.state.params),
                              strict=True)]
     assert max(moved) > 0
-    seconds, info = peers.trl_grpo_seconds(workload, texts, 1, str(tmp_path / "trl"))
+    between = []  # the benchmark alternates: an espo_jax step after each TRL step
+    seconds, info = peers.trl_grpo_seconds(workload, texts, 1, str(tmp_path / "trl"),
+                                           between=lambda: between.append(1))
     assert len(seconds) == 1 and seconds[0] > 0 and info["trl_threads"] >= 1
+    assert between == [1]

@@ -66,7 +66,7 @@ def decoded(step, tiny_params, seqs):
 def test_init_cache_layout():
     cache = init_cache(TINY, 3, 16, jnp.bfloat16)
     assert set(cache) == {"layers_0", "layers_1"}
-    assert cache["layers_1"]["k"].shape == (3, 16, 2, 16)  # [B, S, K, A]
+    assert cache["layers_1"]["k"].shape == (3, 2, 16, 16)  # [B, K, S, A]
     assert cache["layers_1"]["v"].dtype == jnp.bfloat16
 
 
@@ -83,8 +83,8 @@ def test_cached_decode_equals_full_forward(decoded, reference, step):
 def test_padding_tokens_are_not_written(decoded):
     _, _, cache, cache_mask = decoded
     # row 1 holds 9 tokens; slots 9.. were never written (still zero)
-    np.testing.assert_array_equal(np.asarray(cache["layers_0"]["k"][1, 9:]), 0.0)
-    assert np.abs(np.asarray(cache["layers_0"]["k"][1, :9])).min(axis=(1, 2)).all()
+    np.testing.assert_array_equal(np.asarray(cache["layers_0"]["k"][1, :, 9:]), 0.0)
+    assert np.abs(np.asarray(cache["layers_0"]["k"][1, :, :9])).min(axis=(0, 2)).all()
     np.testing.assert_array_equal(cache_mask.sum(1), LENS)
 
 
