@@ -50,10 +50,16 @@ def truncated_logits(
 
     Per-row parameters (traced, so one compiled step serves every setting): top_k 0 and
     top_p >= 1 keep everything; a row with temperature 0 is divided by 1 (greedy rows use the
-    raw logits; see `sample`). Ties at the k-th value are kept.
+    raw logits; see `sample`). Ties at the k-th value are kept. When no row truncates (the RL
+    default: temperature 1, top_k 0, top_p 1) the vocabulary sort is skipped (`lax.cond`).
     """
     x = logits_BxV.astype(jnp.float32)
     x = x / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    truncating = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
+    return jax.lax.cond(truncating, _truncate, lambda x, *_: x, x, top_k_B, top_p_B)
+
+
+def _truncate(x: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
     v = x.shape[-1]
     sorted_BxV = jnp.sort(x, axis=-1)[:, ::-1]
     kth_Bx1 = jnp.take_along_axis(sorted_BxV, jnp.clip(top_k_B - 1, 0, v - 1)[:, None], axis=-1)

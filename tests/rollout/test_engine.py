@@ -316,6 +316,19 @@ def test_truncation_by_hand():
     np.testing.assert_allclose(jax.nn.log_softmax(x[0])[0], np.log(0.16 / 0.3), rtol=1e-5)
 
 
+def test_untruncated_rows_keep_every_logit():
+    """No row truncating (the sort skipped) or one row truncating (the sort taken for the
+    batch): the untruncated rows are logits / temperature, bit for bit, either way."""
+    logits = jax.random.normal(jax.random.key(1), (3, 50))
+    temps = jnp.array([1.0, 0.7, 1.0])
+    want = np.asarray(logits / temps[:, None])
+    x = truncated_logits(logits, temps, jnp.zeros(3, int), jnp.ones(3))
+    np.testing.assert_array_equal(x, want)
+    x = truncated_logits(logits, temps, jnp.array([0, 0, 5]), jnp.ones(3))
+    np.testing.assert_array_equal(x[:2], want[:2])
+    assert np.isfinite(np.asarray(x[2])).sum() == 5
+
+
 def test_sample_frequencies_and_greedy():
     n = 4000
     logits = jnp.broadcast_to(jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1])), (n, 4))
