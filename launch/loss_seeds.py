@@ -28,7 +28,10 @@ settings are chosen.
 `--merge=FILE` (a json written here, e.g. experiments/results/loss_seeds.json) adds the stored
 runs and warm starts that WORKDIR lacks, so new seeds extend a stored comparison without rerunning
 it; every run keeps the commit it ran on, and a seed whose warm start is in both places must score
-the same in both.
+the same in both. Every run also keeps its `--override`s (a stored file's runs: the file's); the
+seeds of one cell (setting, loss) must share them, and a table column names the overrides of its
+setting, so e.g. the off-policy column can be rerun at another lr and joined to the stored
+on-policy one (`--override optim.lr=1e-4 --merge FILE`, WORKDIR holding only off-policy runs).
 """
 
 from __future__ import annotations
@@ -141,13 +144,18 @@ def mean_std(values: list[float]) -> dict:
 
 def aggregate(runs: dict, warm: dict) -> dict:
     """Per setting and loss: test accuracy and its gain over the seed's warm start, mean +- std
-    (sample std over seeds) and every seed; tokens, steps and RL seconds."""
+    (sample std over seeds) and every seed; tokens, steps and RL seconds; the `--config`
+    overrides its runs share (seeds run with different overrides are not one cell: an error)."""
     out: dict = {}
     for setting, by_loss in runs.items():
         for loss, by_seed in by_loss.items():
             seeds = sorted(by_seed)
+            overrides = {s: by_seed[s].get("overrides", []) for s in seeds}
+            if len({tuple(o) for o in overrides.values()}) > 1:
+                raise ValueError(f"{setting}-policy {loss}: its seeds ran with different "
+                                 f"overrides {overrides}; one cell must share its settings")
             out.setdefault(setting, {})[loss] = {
-                "seeds": seeds,
+                "seeds": seeds, "overrides": overrides[seeds[0]],
                 "test_accuracy": mean_std([by_seed[s]["test_accuracy"] for s in seeds]),
                 "test_gain": mean_std([by_seed[s]["test_accuracy"] - warm[s]["test_accuracy"]
                                        for s in seeds]),
@@ -164,7 +172,12 @@ def table(agg: dict, warm: dict) -> str:
     seeds = sorted(warm)
     start = [warm[s]["test_accuracy"] for s in seeds]
     settings = list(agg)
-    head = ["loss"] + [f"{s}-policy: test acc (mean +- std, seeds) / each seed / gain"
+    def shared(setting):  # the overrides every loss of the setting ran with, if one list
+        lists = {tuple(a.get("overrides", [])) for a in agg[setting].values()}
+        only = lists.pop() if len(lists) == 1 else ()
+        return f" [{', '.join(o.removeprefix('--config.') for o in only)}]" if only else ""
+
+    head = ["loss"] + [f"{s}-policy{shared(s)}: test acc (mean +- std, seeds) / each seed / gain"
                        for s in settings]
     head += [f"{s}: RL steps, RL s" for s in settings]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -291,13 +304,14 @@ def stored(path: str, seeds: list[int], settings: list[str], losses: list[str]
     warm = {int(s): {"commit": result["commit"], **w} for s, w in result["warm"].items()
             if int(s) in seeds}
     points = result.get("espo_eps_points", {})
+    overrides = result.get("flags", {}).get("override", [])  # files that stored one list
     runs = {}
     for setting, by_loss in result["runs"].items():
         for loss, by_seed in by_loss.items():
             for s, r in by_seed.items():
                 if int(s) in seeds and setting in settings and loss in losses:
                     runs[int(s), setting, loss] = {
-                        "commit": result["commit"], **r,
+                        "commit": result["commit"], "overrides": overrides, **r,
                         "validation_curve": [tuple(p) for p in r["validation_curve"]],
                         "espo_eps_points": [tuple(p) for p in
                                             points.get(setting, {}).get(s, [])]}
@@ -393,7 +407,8 @@ def main(argv: list[str]) -> int:
     entries = {}
     for key, summary in finished.items():
         run_dir = run_dirs[key]
-        entries[key] = {"commit": first_commit, **{k: summary[k] for k in TRIM if k in summary},
+        entries[key] = {"commit": first_commit, "overrides": extra,
+                        **{k: summary[k] for k in TRIM if k in summary},
                         "clip_means": clip_stats(run_dir),
                         "validation_curve": validation_curve(run_dir),
                         "espo_eps_points": espo_eps_points(run_dir) if key[2] == "espo" else []}

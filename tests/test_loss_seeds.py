@@ -40,6 +40,21 @@ def test_aggregate_and_table_by_hand():
     assert "| warm start | 0.550 +- 0.071 / 0.500 0.600 / - | - |" in text
 
 
+def test_a_cell_shares_its_overrides_and_the_header_names_them():
+    warm = {0: {"test_accuracy": 0.5}, 1: {"test_accuracy": 0.6}}
+    lr = ["--config.optim.lr=1e-4"]
+    runs = {"on": {"grpo": {0: _run(0.7, 0.8), 1: _run(0.6, 0.7)}},
+            "off": {"grpo": {0: {**_run(0.7, 0.8), "overrides": lr},
+                             1: {**_run(0.6, 0.7), "overrides": lr}}}}
+    agg = launcher.aggregate(runs, warm)
+    assert (agg["on"]["grpo"]["overrides"], agg["off"]["grpo"]["overrides"]) == ([], lr)
+    head = launcher.table(agg, warm).splitlines()[0]
+    assert "| on-policy: test acc" in head and "| off-policy [optim.lr=1e-4]: test acc" in head
+    runs["off"]["grpo"][1]["overrides"] = []  # seed 1 at the default lr: not one cell
+    with pytest.raises(ValueError, match="off-policy grpo: its seeds ran with different"):
+        launcher.aggregate(runs, warm)
+
+
 def test_report_only_aggregates_what_has_finished(tmp_path):
     """--report_only runs nothing: the warm start and the one finished run are reported, the
     missing runs are left out (an experiment that would fail if it were started)."""
