@@ -124,14 +124,19 @@ class Engine:
     def load_params(self, params: dict) -> None:
         """Installs new (learner, float) weights, converted to the engine's precision and
         placed on the device once (host numpy arrays, e.g. from `weights.load`, would otherwise
-        be transferred at every decode call)."""
+        be transferred at every decode call), committed where they lie: host weights first,
+        a learner's (committed) arrays after an update, then share the compiled decode code
+        (jit keys on committedness: an uncommitted first load cost a recompile of prefill,
+        insert and decode at the second)."""
         converted = engine_params(params, self.config, self.precision)[0]
         if self.precision == "fp8" and not self.fp8_storage:
             # E4M3 values times their scales, computed once here instead of in every forward:
             # the matmuls see the same numbers (samples bitwise equal), decoding is ~11% faster
             # on the CPU, and the fp8 and fp32 engines share compiled code.
             converted = quant.dequantize_params(converted, jnp.float32)
-        self.params = jax.device_put(converted)
+        placed = jax.device_put(converted)
+        self.params = jax.tree.map(
+            lambda x: x if x.committed else jax.device_put(x, x.sharding), placed)
 
     # -- JetStream-shaped API --------------------------------------------------------------------
     def prefill_len(self, n: int) -> int:

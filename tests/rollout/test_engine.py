@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from espo_jax import models
+from espo_jax.rollout import decode, mismatch, scheduling
 from espo_jax.rollout import engine as engine_lib
-from espo_jax.rollout import mismatch, scheduling
 from espo_jax.rollout.decode import FREE
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.sampling import sample as sample_eager
@@ -299,6 +299,21 @@ def test_fp8_dequantised_once_samples_what_fp8_storage_samples(params):
             np.testing.assert_array_equal(ra.tokens, rb.tokens)
             np.testing.assert_array_equal(ra.logprobs, rb.logprobs)
             np.testing.assert_array_equal(ra.routed_experts, rb.routed_experts)
+
+
+def test_host_then_learner_weights_share_the_compiled_decode(params):
+    """Weights loaded from host arrays, then a learner's committed arrays (as after an update):
+    the second load compiles nothing new."""
+    host = jax.tree.map(np.asarray, params)
+    engine = engine_lib.Engine(CONFIG, host, sampling=SAMPLED, max_slots=SLOTS,
+                               max_cache_len=CACHE, steps_per_sync=SYNC)
+    engine.generate_groups(prompts(2), n_samples=2, rng=jax.random.key(0))
+    sizes = [f._cache_size() for f in (decode.prefill_jit, decode.insert_jit,
+                                       decode.generate_jit)]
+    engine.load_params(jax.device_put(host, jax.devices()[0]))  # committed, as a learner's
+    engine.generate_groups(prompts(2), n_samples=2, rng=jax.random.key(0))
+    assert [f._cache_size() for f in (decode.prefill_jit, decode.insert_jit,
+                                      decode.generate_jit)] == sizes
 
 
 def test_truncation_by_hand():
