@@ -11,7 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-NAMES = ("model", "buffer", "engine", "zve", "attention", "peers", "packing")
+NAMES = ("model", "buffer", "engine", "zve", "attention", "peers", "packing", "profile")
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

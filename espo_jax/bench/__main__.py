@@ -1,7 +1,8 @@
 """`python -m espo_jax.bench NAME [--quick] [--out FILE.json]`: runs one benchmark by name.
 
-NAME is one of model, buffer, engine, zve, attention, peers (see `espo_jax.bench`). zve also takes
-`--init_from WORKDIR`, `--budget TOKENS` and `--prompts N` (`espo_jax.bench.zve`).
+NAME is one of model, buffer, engine, zve, attention, peers, packing, profile (see
+`espo_jax.bench`). zve also takes `--init_from WORKDIR`, `--budget TOKENS` and `--prompts N`
+(`espo_jax.bench.zve`).
 """
 
 import importlib

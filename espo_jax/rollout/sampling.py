@@ -81,14 +81,17 @@ def sample(
     top_k_B: jax.Array,
     top_p_B: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """One token per row and its log-prob (see module doc); row b uses only `keys_B[b]`."""
-    x_BxV = truncated_logits(logits_BxV, temperature_B, top_k_B, top_p_B)
-    sampled_B = jax.vmap(jax.random.categorical)(keys_B, x_BxV)
-    greedy_B = temperature_B <= 0
-    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1), sampled_B).astype(jnp.int32)
-    logp_BxV = jnp.where(
-        greedy_B[:, None],
-        jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1),
-        jax.nn.log_softmax(x_BxV, axis=-1),
-    )
-    return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    """One token per row and its log-prob (see module doc); row b uses only `keys_B[b]`.
+    Its ops carry the name scope `sampling` (for profiles; `bench profile`)."""
+    with jax.named_scope("sampling"):
+        x_BxV = truncated_logits(logits_BxV, temperature_B, top_k_B, top_p_B)
+        sampled_B = jax.vmap(jax.random.categorical)(keys_B, x_BxV)
+        greedy_B = temperature_B <= 0
+        tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1),
+                             sampled_B).astype(jnp.int32)
+        logp_BxV = jnp.where(
+            greedy_B[:, None],
+            jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1),
+            jax.nn.log_softmax(x_BxV, axis=-1),
+        )
+        return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-NAMES = "model, buffer, engine, zve, attention, peers, packing"
+NAMES = "model, buffer, engine, zve, attention, peers, packing, profile"
 
 
 @pytest.mark.parametrize("args, message", [

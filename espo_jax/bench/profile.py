@@ -1,0 +1,362 @@
+"""Profile benchmark: where a step's time goes, by model part and by kind of op.
+
+`python -m espo_jax.bench profile [--quick] [--out FILE.json]`
+
+Three programs, each timed (median of untraced calls) and then traced with `jax.profiler`:
+- `train`: bench peers' train step (TRL's GRPO workload model, next-token loss + router aux
+  loss, forward + backward + AdamW on 64 x 64 tokens);
+- `generate`: bench peers' generation (the embedded engine, 64 sequences x 48 new tokens after
+  16-token prompts, temperature 1);
+- `update_small`: the learner's fused ESPO + R3 update with AdamW on the default experiment's
+  shape (the `small` preset, 256 sequences packed; bench packing's sequences).
+`--quick` runs the `tiny` preset on smaller shapes (a smoke test).
+
+Every op the trace records (`hlo_op` on the XLA CPU threads, loops and conditionals counted
+through their bodies) is attributed with the op's metadata in the compiled HLO: the part of
+the model its `op_name` names (attention, MoE experts' matmuls, MoE routing and dispatch, norms,
+the rest of the model and the loss, sampling, the optimizer), forward or backward (`transpose(`
+in the name), and its kind (matmul, gather, scatter, sort, copy / transpose, dynamic slice,
+elementwise and reductions). Times are thread time summed over the CPU threads, per call;
+shares are of that sum. Achieved model FLOP/s (the PaLM count of `bench model`) is set against
+the peak of a jitted fp32 `jnp.dot` measured in the same process, and against the matmuls'
+own time: the gap between the two is the time spent outside matmuls.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import glob
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from espo_jax.bench import format_table
+from espo_jax.bench.model import (
+    jax_train_step,
+    matmul_params_per_token,
+    peak_matmul_flops,
+    train_flops_per_token,
+)
+from espo_jax.bench.packing import sequences
+from espo_jax.models import get_preset, init_params
+from espo_jax.models.config import ModelConfig
+from espo_jax.rl.loss_config import paper_loss_config
+from espo_jax.rollout import decode
+from espo_jax.rollout.engine import Engine, Request
+from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.train import step as step_lib
+from espo_jax.train.batch import pack_sequences
+
+# bench peers' model (TRL's GRPO test model scaled to a CPU), built without transformers;
+# tests/bench/test_profile_bench.py checks it against `peers.hf_model_config()`.
+PEERS_MODEL = ModelConfig(
+    vocab_size=64, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=512,
+    n_experts=8, top_k=2, d_expert=256, norm_topk_prob=True, tie_embeddings=False,
+    max_seq_len=256, rope_theta=1e4, rms_eps=1e-6,
+)
+PARTS = ("attention", "MoE experts (matmuls)", "MoE routing and dispatch", "norms",
+         "model rest and loss", "sampling", "optimizer, state updates, rest")
+KINDS = ("matmul", "gather", "scatter", "sort", "copy / transpose", "dynamic slice",
+         "elementwise and reductions")
+_NOT_LEAVES = ("while", "conditional", "call")  # their bodies' ops are recorded themselves
+
+
+# ---- the compiled HLO: each instruction's opcode and op_name ------------------------------------
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+_MATMULS = ("dot", "convolution")
+
+
+def _opcode(rhs: str) -> str:
+    """The opcode of an HLO instruction's right-hand side `TYPE opcode(...)`."""
+    if rhs.startswith("("):  # a tuple type: skip to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rhs):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rhs[i + 1:].strip().split("(", 1)[0].strip()
+    return rhs.split(" ", 1)[-1].strip().split("(", 1)[0].strip()
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (opcode, op_name)} of a compiled module's text. A fusion that holds
+    a matmul is reported as opcode "dot" with the matmul's op_name (YNNPACK and oneDNN fusions
+    name their root, often a reshape); a fusion without metadata takes the first op_name of
+    the computation it calls."""
+    computations: dict[str, list[tuple[str, str]]] = collections.defaultdict(list)
+    raw = {}
+    current = ""
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            c = _COMPUTATION.match(line)
+            if c and not line.lstrip().startswith("HloModule"):
+                current = c.group(1)
+            continue
+        rhs = m.group(2)
+        name_m, calls_m = _OP_NAME.search(rhs), _CALLS.search(rhs)
+        opcode = _opcode(rhs)
+        args = rhs.split(opcode + "(", 1)[-1].split(")", 1)[0]
+        entry = (opcode, name_m.group(1) if name_m else "", calls_m.group(1) if calls_m else "",
+                 _OPERANDS.findall(args))
+        raw[m.group(1)] = entry
+        computations[current].append(entry[:2])
+    out = {}
+    for name, (opcode, op_name, calls, _) in raw.items():
+        if opcode == "fusion" and calls:
+            inner = computations.get(calls, [])
+            dots = [n for oc, n in inner if oc in _MATMULS]
+            if dots:
+                opcode, op_name = "dot", dots[0] or op_name
+            elif not op_name:
+                op_name = next((n for _, n in inner if n), "")
+        out[name] = (opcode, op_name)
+    for name, (opcode, op_name) in out.items():  # still unnamed: an operand's name
+        if not op_name:
+            named = [out[a][1] for a in raw[name][3] if a in out and out[a][1]]
+            out[name] = (opcode, named[0] if named else "")
+    return out
+
+
+def classify(name: str, opcode: str, op_name: str) -> tuple[str, str, str]:
+    """(part, phase, kind) of one op (see the module docstring)."""
+    path = op_name.lower()
+    scopes = set(re.split(r"[/()]", path))  # "transpose(jvp(attn))/dot_general": attn, ...
+    phase = "backward" if "transpose(" in path else "forward"
+    is_matmul = opcode in _MATMULS
+    if "moe" in scopes:
+        part = "MoE experts (matmuls)" if is_matmul else "MoE routing and dispatch"
+    elif "attn" in scopes:
+        part = "attention"
+    elif any(x.endswith("_norm") for x in scopes):
+        part = "norms"
+    elif "sampling" in scopes:
+        part = "sampling"
+    elif scopes & {"transformer", "log_softmax"} or "logprob" in path:
+        part = "model rest and loss"
+    else:
+        part = "optimizer, state updates, rest"
+    n = name.lower()
+    if is_matmul:
+        kind = "matmul"
+    elif "scatter" in n or opcode == "scatter":
+        kind = "scatter"
+    elif "gather" in n or opcode == "gather":
+        kind = "gather"
+    elif "sort" in n or opcode == "sort":
+        kind = "sort"
+    elif "dynamic-slice" in n or "dynamic-update-slice" in n or opcode.startswith("dynamic"):
+        kind = "dynamic slice"
+    elif "copy" in n or "transpose" in n or opcode in ("copy", "transpose"):
+        kind = "copy / transpose"
+    else:
+        kind = "elementwise and reductions"
+    return part, phase, kind
+
+
+# ---- tracing ------------------------------------------------------------------------------------
+def traced_op_seconds(fn: Callable[[], object], calls: int) -> list[tuple[str, str, float]]:
+    """(HLO module, HLO op, seconds) of every op the XLA CPU runtime executed during `calls`
+    calls of the blocking `fn`, from a `jax.profiler` trace."""
+    with tempfile.TemporaryDirectory() as logdir:
+        jax.profiler.start_trace(logdir)
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+        if len(paths) != 1:
+            raise RuntimeError(f"expected one xplane.pb in the trace of {logdir}, got {paths}")
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    ops = []
+    for plane in data.planes:
+        for line in plane.lines:
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if "hlo_op" in stats:
+                    ops.append((str(stats.get("hlo_module", "")), str(stats["hlo_op"]),
+                                ev.duration_ns * 1e-9))
+    return ops
+
+
+def breakdown(ops: list[tuple[str, str, float]], modules: dict[str, str], calls: int) -> dict:
+    """Thread milliseconds per call by (part, phase) and by kind. `modules`: {HLO module name:
+    compiled text} of the programs to attribute; ops of other modules count as `other programs`."""
+    tables = {m: hlo_instructions(text) for m, text in modules.items()}
+    by_part: dict[str, dict[str, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float))
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    unattributed = other = 0.0
+    for module, op, sec in ops:
+        table = tables.get(module)
+        if table is None:
+            other += sec
+            continue
+        if op not in table:
+            unattributed += sec
+            continue
+        opcode, op_name = table[op]
+        if opcode in _NOT_LEAVES:
+            continue
+        part, phase, kind = classify(op, opcode, op_name)
+        by_part[part][phase] += sec
+        by_kind[kind] += sec
+    ms = lambda s: 1e3 * s / calls
+    total = sum(by_kind.values()) + unattributed + other
+    return {
+        "thread_ms_per_call": ms(total),
+        "by_part_ms": {p: {ph: ms(s) for ph, s in by_part[p].items()} for p in PARTS
+                       if p in by_part},
+        "by_kind_ms": {k: ms(by_kind[k]) for k in KINDS if k in by_kind},
+        "unattributed_ms": ms(unattributed),
+        "other_programs_ms": ms(other),
+    }
+
+
+def compiled_text(jitted, *args) -> tuple[str, str]:
+    """(HLO module name, text) of `jitted` compiled for `args`."""
+    text = jitted.lower(*args).compile().as_text()
+    name = re.search(r"HloModule\s+([\w.\-]+)", text).group(1)
+    return name, text
+
+
+# ---- the three programs -------------------------------------------------------------------------
+def train_program(config: ModelConfig, batch: int, seq: int):
+    """bench peers' train step: (blocking call, {module: hlo}, model FLOPs per call, tokens)."""
+    opt = optax.adamw(1e-5)
+    step = jax.jit(functools.partial(jax_train_step, config, opt))
+    params = init_params(config, jax.random.key(0))
+    opt_state = opt.init(params)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (batch, seq),
+                                                           dtype=np.int32))
+    call = lambda: jax.block_until_ready(step(params, opt_state, tokens))
+    modules = dict([compiled_text(step, params, opt_state, tokens)])
+    return call, modules, train_flops_per_token(config, seq) * batch * seq, batch * seq
+
+
+def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens: int):
+    """bench peers' generation: the engine's `generate_groups`, one sample per prompt."""
+    params = init_params(config, jax.random.key(0))
+    steps_per_sync = 8
+    engine = Engine(config, params, sampling=SamplingConfig(temperature=1.0,
+                                                            max_new_tokens=new_tokens),
+                    max_slots=seqs, steps_per_sync=steps_per_sync,
+                    prefill_rows=min(16, seqs), max_cache_len=prompt_len + new_tokens,
+                    precision="fp32")
+    rng = np.random.default_rng(1)
+    requests = [Request(prompt_id=str(i), n_samples=1,
+                        tokens=[int(t) for t in rng.integers(0, config.vocab_size, prompt_len)])
+                for i in range(seqs)]
+    calls = [0]
+
+    def call() -> int:
+        calls[0] += 1
+        groups = engine.generate_groups(requests, rng=jax.random.key(calls[0]))
+        return sum(len(r.tokens) for g in groups for r in g.responses)
+
+    # The decode program exactly as the engine calls it (its config, weights and state).
+    modules = dict([compiled_text(decode.generate_jit, engine.config, steps_per_sync,
+                                  engine.params, engine.init_decode_state())])
+    flops = sum(2 * matmul_params_per_token(config)
+                + 4 * config.n_layers * config.n_heads * config.head_dim * (prompt_len + t)
+                for t in range(new_tokens)) * seqs
+    return call, modules, flops, seqs * new_tokens
+
+
+def update_program(config: ModelConfig, rows: int, seq_len: int):
+    """The learner's fused ESPO + R3 update with AdamW on packed sequences (bench packing's)."""
+    args = sequences(config, rows)
+    batch = jax.tree.map(jnp.asarray, pack_sequences(
+        *args, rows=rows, seq_len=seq_len, pad_id=0,
+        moe_shape=(config.n_moe_layers, config.top_k), pack=True))
+    loss_config = paper_loss_config("espo")
+    loss_config.vocab_size = config.vocab_size
+    loss_fn = functools.partial(step_lib.rl_loss, model_config=config, replay="r3",
+                                chunk_size=64, loss_config=loss_config, zvp_alpha=0.0,
+                                fused=True)
+    tx = optax.adamw(1e-4)
+
+    @jax.jit
+    def update(params, opt_state, batch):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = init_params(config, jax.random.key(0))
+    opt_state = tx.init(params)
+    call = lambda: jax.block_until_ready(update(params, opt_state, batch))
+    modules = dict([compiled_text(update, params, opt_state, batch)])
+    real = int(np.sum(np.asarray(batch.segment_ids) > 0))
+    return call, modules, train_flops_per_token(config, batch.tokens.shape[1]) * real, real
+
+
+def profile(name: str, program, repeats: int, traced_calls: int, peak: float) -> dict:
+    call, modules, flops, tokens = program
+    start = time.perf_counter()
+    call()  # compiles
+    first_s = time.perf_counter() - start
+    secs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        secs.append(time.perf_counter() - start)
+    wall = statistics.median(secs)
+    figures = {"wall_s": wall, "first_call_s": first_s, "tokens": tokens,
+               "tokens_per_s": tokens / wall, "model_flops": flops,
+               "model_flops_per_s": flops / wall, "of_peak": flops / wall / peak}
+    figures.update(breakdown(traced_op_seconds(call, traced_calls), modules, traced_calls))
+    matmul_ms = figures["by_kind_ms"].get("matmul", 0.0)
+    total_ms = figures["thread_ms_per_call"]
+    figures["matmul_share"] = matmul_ms / total_ms if total_ms else 0.0
+    print(f"\n{name}: {wall * 1e3:.1f} ms per call ({tokens / wall:.0f} tok/s, "
+          f"{flops / wall / 1e9:.1f} model GFLOP/s = {100 * figures['of_peak']:.1f}% of the "
+          f"jnp.dot peak); {total_ms:.1f} thread-ms per call, "
+          f"{100 * figures['matmul_share']:.0f}% of it in matmuls")
+    rows = [[part, *(f"{phases.get(ph, 0.0):.1f}" for ph in ("forward", "backward")),
+             f"{100 * sum(phases.values()) / total_ms:.1f}%"]
+            for part, phases in figures["by_part_ms"].items()]
+    for label, key in (("other programs (prefill, insert, ...)", "other_programs_ms"),
+                       ("ops without metadata", "unattributed_ms")):
+        if figures[key]:
+            rows.append([label, f"{figures[key]:.1f}", "-",
+                         f"{100 * figures[key] / total_ms:.1f}%"])
+    print(format_table(["part", "forward thread-ms", "backward thread-ms", "share"], rows))
+    print(format_table(["kind", "thread-ms", "share"], [
+        [k, f"{v:.1f}", f"{100 * v / total_ms:.1f}%"] for k, v in figures["by_kind_ms"].items()]))
+    return figures
+
+
+def run(quick: bool) -> dict:
+    repeats, traced = (2, 1) if quick else (7, 3)
+    peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
+    figures: dict[str, Any] = {"peak_matmul_flops": peak, "cpus": os.cpu_count(),
+                               "load_average_start": os.getloadavg()}
+    peers_model = get_preset("tiny") if quick else PEERS_MODEL
+    small = get_preset("tiny" if quick else "small")
+    programs = {
+        "train": lambda: train_program(peers_model, 8 if quick else 64, 32 if quick else 64),
+        "generate": lambda: generate_program(peers_model, 8 if quick else 64, 16,
+                                             8 if quick else 48),
+        "update_small": lambda: update_program(small, 32 if quick else 256, 71),
+    }
+    print(f"peak fp32 jnp.dot: {peak / 1e9:.0f} GFLOP/s; {os.cpu_count()} CPUs; load average "
+          f"{figures['load_average_start'][0]:.1f}")
+    for name, build in programs.items():
+        figures[name] = profile(name, build(), repeats, traced, peak)
+    figures["load_average_end"] = os.getloadavg()
+    return figures

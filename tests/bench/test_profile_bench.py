@@ -1,0 +1,68 @@
+"""bench profile: its model is bench peers' model, ops are attributed to the right part, phase
+and kind from the compiled HLO, and a real trace's times add up."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from espo_jax.bench import profile
+from espo_jax.bench.peers import hf_model_config
+from espo_jax.models import hf_io
+
+
+def test_peers_model_is_the_peers_benchmark_model():
+    assert hf_io.config_from_hf(hf_model_config().to_dict()) == profile.PEERS_MODEL
+
+
+def test_opcode_of_plain_and_tuple_types():
+    assert profile._opcode("f32[8,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}") == "dot"
+    assert profile._opcode("(s32[], (f32[2]{0}, f32[])) while(%t), condition=%c") == "while"
+
+
+def _loss(x, w, idx):
+    with jax.named_scope("attn"):
+        h = x @ w
+    with jax.named_scope("moe"):
+        y = jnp.sort(jnp.take(h, idx, axis=0), axis=0)
+    return jnp.sum(y * y)
+
+
+def _args():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(128, 128)), jnp.float32)
+    return x, w, jnp.asarray(rng.integers(0, 256, 512), jnp.int32)
+
+
+def test_ops_are_attributed_by_scope_direction_and_kind():
+    grad = jax.jit(jax.grad(_loss, argnums=(0, 1)))
+    _, text = profile.compiled_text(grad, *_args())
+    table = profile.hlo_instructions(text)
+    found = {profile.classify(n, oc, op) for n, (oc, op) in table.items()
+             if oc not in profile._NOT_LEAVES}
+    # x @ w forward; dx = dh w^T and dw = x^T dh backward: all matmuls of the attn scope.
+    assert ("attention", "forward", "matmul") in found
+    assert ("attention", "backward", "matmul") in found
+    kinds = {(part, kind) for part, _, kind in found}
+    assert ("MoE routing and dispatch", "sort") in kinds
+    # The take's gradient is a scatter-add into h's rows.
+    assert any(part == "MoE routing and dispatch" and phase == "backward" and kind == "scatter"
+               for part, phase, kind in found)
+
+
+def test_a_traced_program_is_attributed_and_adds_up():
+    args = _args()
+    grad = jax.jit(jax.grad(_loss, argnums=(0, 1)))
+    name, text = profile.compiled_text(grad, *args)
+    call = lambda: jax.block_until_ready(grad(*args))
+    call()
+    ops = profile.traced_op_seconds(call, 2)
+    assert any(module == name for module, _, _ in ops)
+    figures = profile.breakdown(ops, {name: text}, calls=2)
+    parts = sum(sum(p.values()) for p in figures["by_part_ms"].values())
+    kinds = sum(figures["by_kind_ms"].values())
+    assert parts > 0 and abs(parts - kinds) < 1e-9
+    assert abs(figures["thread_ms_per_call"] - kinds - figures["unattributed_ms"]
+               - figures["other_programs_ms"]) < 1e-9
+    assert figures["by_kind_ms"]["matmul"] > 0
+    assert set(figures["by_part_ms"]) <= set(profile.PARTS)
