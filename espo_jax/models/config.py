@@ -125,6 +125,14 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def forward_only(self) -> ModelConfig:
+        """This model for passes without a gradient (the learner's old-policy and reference
+        passes): the dropless dispatch looped over its blocks, each block reading its expert's
+        weights in place. The same outputs bit for bit (tests/models/test_model.py); the
+        gathered layout copies the weights into [blocks, D, F], which its gradient wants and
+        a forward alone does not (forward 1.8x faster at 4k tokens on a 2-core CPU)."""
+        return self.replace(dispatch="dropless_loop") if self.dispatch == "dropless" else self
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         return get_preset(name, **overrides)

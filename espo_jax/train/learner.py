@@ -97,15 +97,17 @@ class Learner:
             chunk_size=config.train.logprob_chunk,
         )
         batch_shardings = jax.tree.map(lambda _: rows_sharding, self._example_batch())
+        # The passes without a gradient run the forward-only dispatch (the same outputs).
+        frozen_kw = {**kw, "model_config": model_config.forward_only()}
         self._old_pass = self._under_rules(jax.jit(
-            functools.partial(step_lib.old_policy_pass, **kw),
+            functools.partial(step_lib.old_policy_pass, **frozen_kw),
             in_shardings=(state_shardings.params, batch_shardings),
             out_shardings=None,
         ))
         self.ref_params = None  # the KL penalty's reference policy (`set_reference`)
         self._anchor = None  # worked solutions of the supervised anchor (`set_anchor`)
         self._ref_pass = self._under_rules(jax.jit(
-            functools.partial(step_lib.reference_pass, **kw),
+            functools.partial(step_lib.reference_pass, **frozen_kw),
             in_shardings=(state_shardings.params, None),  # the batch as put (after old pass)
             out_shardings=None,
         ))

@@ -302,6 +302,20 @@ def test_looped_dropless_gradients_equal_the_gathered(moe_inputs):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_looped_dropless_forward_is_the_gathered_bit_for_bit(moe_inputs):
+    """`ModelConfig.forward_only` swaps the gathered dropless layout for the looped one in
+    passes without a gradient: the outputs must not change at all, only the weight copies."""
+    x, idx, gates, w = moe_inputs
+    for block in (1, 8):
+        gathered = jax.jit(lambda x, g, w, b=block: moe.dropless_dispatch(x, idx, g, *w, block=b))
+        looped = jax.jit(lambda x, g, w, b=block: moe.dropless_dispatch(x, idx, g, *w, block=b,
+                                                                        loop=True))
+        np.testing.assert_array_equal(looped(x, gates, w), gathered(x, gates, w))
+    assert get_preset("tiny").forward_only().dispatch == "dropless_loop"
+    capacity = get_preset("tiny", dispatch="capacity")
+    assert capacity.forward_only() == capacity  # dropping tokens is part of what it computes
+
+
 def test_capacity_dispatch_drops_excess_in_token_order(moe_inputs, jit):
     """All 37 tokens to experts (0, 1, 2): A = 111, C = ceil(111/6 * 1.0) = 19 per expert, so
     tokens 0..18 keep all three experts, tokens 19..36 lose all: dropped = 54/111."""

@@ -383,6 +383,31 @@ def test_single_minibatch_update_fuses_the_old_policy_pass(learner_setup):
     assert report["argument"] >= 3 * 4 * n_params and report["temp"] > 0
 
 
+def test_old_policy_pass_runs_the_forward_only_dispatch(learner_setup):
+    """The passes without a gradient loop over the dropless blocks instead of copying each
+    block's expert weights (`ModelConfig.forward_only`): the old log-probs, entropies and
+    metrics are the gathered dispatch's, bit for bit."""
+    import functools
+
+    from espo_jax.train import step as step_lib
+
+    learner, params, _, generated = learner_setup
+    assert learner.model_config.dispatch == "dropless"
+    assert learner.model_config.forward_only().dispatch == "dropless_loop"
+    groups = _groups(generated, [[1.0, 0.0], [1.0, 1.0]], logp_shift=0.05)
+    batch = jax.device_put(learner.minibatches(*groups)[0], learner.batch_sharding)
+    looped, m_looped = learner._old_pass(params, batch)
+    gathered, m_gathered = jax.jit(functools.partial(
+        step_lib.old_policy_pass, model_config=learner.model_config,
+        replay=learner.config.train.replay, chunk_size=learner.config.train.logprob_chunk))(
+        params, batch)
+    np.testing.assert_array_equal(looped.old_logp, gathered.old_logp)
+    np.testing.assert_array_equal(looped.old_entropy, gathered.old_entropy)
+    np.testing.assert_array_equal(looped.old_routed_experts, gathered.old_routed_experts)
+    assert {k: float(v) for k, v in m_looped.items()} == {
+        k: float(v) for k, v in m_gathered.items()}
+
+
 def _response_logp(model_config, params, group, j):
     """Teacher-forced log-prob of response j of `group` under `params` (fp32, own routing)."""
     from espo_jax.train.step import sequence_logprobs
