@@ -290,8 +290,7 @@ def _validate_paths(errors: list[str], config: ml_collections.ConfigDict,
 
 def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None:
     """`config.task` has one of the forms of espo_jax/tasks.py and `config.task_args` is a JSON
-    object (nothing is imported or generated here)."""
-    import json
+    object (no task is imported or generated here)."""
     import re
 
     spec = config.task
@@ -307,14 +306,14 @@ def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None
         errors.append(f"config.task={spec!r} is not '' / 'arith_chains' / 'math_jsonl' / "
                       "'files' / 'reasoning_gym:NAME' / 'package.module:function' / "
                       "'path/to/file.py:function'")
+    from espo_jax.tasks import task_args
+
     try:
-        args = json.loads(config.task_args or "{}")
-    except json.JSONDecodeError as e:
-        errors.append(f"config.task_args must be a JSON object, got {config.task_args!r}: {e}")
+        args = task_args(config)
+    except ValueError as e:
+        errors.append(str(e))
         return
-    if not isinstance(args, dict):
-        errors.append(f"config.task_args must be a JSON object, got {config.task_args!r}")
-    elif args and spec in ("", "arith_chains", "math_jsonl"):
+    if args and spec in ("", "arith_chains", "math_jsonl"):
         errors.append(f"config.task_args={config.task_args!r} given for a built-in task, which "
                       "reads config.data.* instead")
     elif spec == "files" and not {"train", "test"} <= set(args):
