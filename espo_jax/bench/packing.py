@@ -55,6 +55,25 @@ def sequences(config, n: int, *, prompt_len: tuple[int, int] = (8, PROMPT_LEN),
     return prompts, responses, blogps, routings, adv, np.zeros(n, np.float32)
 
 
+def espo_update(config, lr: float = 1e-4):
+    """(update, optimizer): the learner's fused ESPO + R3 update with AdamW, jitted:
+    `update(params, opt_state, batch) -> (params, opt_state, loss)`."""
+    loss_config = paper_loss_config("espo")
+    loss_config.vocab_size = config.vocab_size
+    loss_fn = functools.partial(step_lib.rl_loss, model_config=config, replay="r3",
+                                chunk_size=64, loss_config=loss_config, zvp_alpha=0.0,
+                                fused=True)
+    tx = optax.adamw(lr)
+
+    @jax.jit
+    def update(params, opt_state, batch):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return update, tx
+
+
 def run(quick: bool) -> dict:
     config = get_preset("tiny" if quick else "small")
     rows = 32 if quick else 256
@@ -65,19 +84,7 @@ def run(quick: bool) -> dict:
               moe_shape=(config.n_moe_layers, config.top_k))
     batches = {"padded": pack_sequences(*args, **kw, pack=False),
                "packed": pack_sequences(*args, **kw, pack=True)}
-    loss_config = paper_loss_config("espo")
-    loss_config.vocab_size = config.vocab_size
-    loss_fn = functools.partial(step_lib.rl_loss, model_config=config, replay="r3",
-                                chunk_size=64, loss_config=loss_config, zvp_alpha=0.0,
-                                fused=True)
-    tx = optax.adamw(1e-4)
-
-    @jax.jit
-    def update(params, opt_state, batch):
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    update, tx = espo_update(config)
     params = init_params(config, jax.random.key(0))
     opt_state = tx.init(params)
     fns, figures = {}, {"preset": "tiny" if quick else "small", "sequences": rows,

@@ -47,14 +47,12 @@ from espo_jax.bench.model import (
     peak_matmul_flops,
     train_flops_per_token,
 )
-from espo_jax.bench.packing import sequences
+from espo_jax.bench.packing import espo_update, sequences
 from espo_jax.models import get_preset, init_params
 from espo_jax.models.config import ModelConfig
-from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout import decode
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
-from espo_jax.train import step as step_lib
 from espo_jax.train.batch import pack_sequences
 
 # bench peers' model (TRL's GRPO test model scaled to a CPU), built without transformers;
@@ -284,19 +282,7 @@ def update_program(config: ModelConfig, rows: int, seq_len: int):
     batch = jax.tree.map(jnp.asarray, pack_sequences(
         *args, rows=rows, seq_len=seq_len, pad_id=0,
         moe_shape=(config.n_moe_layers, config.top_k), pack=True))
-    loss_config = paper_loss_config("espo")
-    loss_config.vocab_size = config.vocab_size
-    loss_fn = functools.partial(step_lib.rl_loss, model_config=config, replay="r3",
-                                chunk_size=64, loss_config=loss_config, zvp_alpha=0.0,
-                                fused=True)
-    tx = optax.adamw(1e-4)
-
-    @jax.jit
-    def update(params, opt_state, batch):
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    update, tx = espo_update(config)
     params = init_params(config, jax.random.key(0))
     opt_state = tx.init(params)
     call = lambda: jax.block_until_ready(update(params, opt_state, batch))
