@@ -54,23 +54,38 @@ def test_ms_zve_table_is_the_stored_benchmark():
     assert rows["trained tokens without gradient"] == no_grad
 
 
-def test_loss_table_is_the_stored_comparison():
-    """The README's five-loss rows are `loss_seeds.json`'s aggregates, rounded as printed."""
+def _stored_aggregate(name):
     import json
 
-    with open(os.path.join(REPO, "experiments", "results", "loss_seeds.json")) as f:
-        agg = json.load(f)["aggregate"]
+    with open(os.path.join(REPO, "experiments", "results", name)) as f:
+        return json.load(f)["aggregate"]
+
+
+def _check_cells(agg, setting, loss, acc_cell, gain_cell, row):
+    a = agg.get(setting, {}).get(loss)
+    if a is None:
+        assert acc_cell == "-", row
+        return
+    acc, gain = a["test_accuracy"], a["test_gain"]
+    assert acc_cell == f"{acc['mean']:.3f} ({len(acc['values'])})", row
+    assert gain_cell == f"{100 * gain['mean']:+.1f} +- {100 * gain['std']:.1f} pts", row
+
+
+def test_loss_tables_are_the_stored_comparisons():
+    """The README's five-loss rows are the stored aggregates, rounded as printed: the table of
+    both settings (`loss_seeds.json`; rows of six cells) and the off-policy one at the
+    learning rate validation chose (`loss_seeds_off_lr1e-4.json`; rows of four cells)."""
+    both, off = _stored_aggregate("loss_seeds.json"), _stored_aggregate(
+        "loss_seeds_off_lr1e-4.json")
     rows = [line for line in README.splitlines() if line.startswith("| ") and " pts |" in line]
-    assert rows
+    by_width = {6: 0, 4: 0}
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:-1]]
-        loss = cells[0]
-        for setting, acc_cell, gain_cell in (("on", cells[1], cells[2]),
-                                             ("off", cells[3], cells[4])):
-            a = agg.get(setting, {}).get(loss)
-            if a is None:
-                assert acc_cell == "-", row
-                continue
-            acc, gain = a["test_accuracy"], a["test_gain"]
-            assert acc_cell == f"{acc['mean']:.3f} ({len(acc['values'])})", row
-            assert gain_cell == f"{100 * gain['mean']:+.1f} +- {100 * gain['std']:.1f} pts", row
+        assert len(cells) in by_width, row
+        by_width[len(cells)] += 1
+        if len(cells) == 6:
+            _check_cells(both, "on", cells[0], cells[1], cells[2], row)
+            _check_cells(both, "off", cells[0], cells[3], cells[4], row)
+        else:
+            _check_cells(off, "off", cells[0], cells[1], cells[2], row)
+    assert by_width == {6: 5, 4: 5}, by_width
