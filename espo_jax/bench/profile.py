@@ -29,7 +29,6 @@ import functools
 import glob
 import os
 import re
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,14 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo_jax.bench import format_table
-from espo_jax.bench.model import (
-    jax_train_step,
-    matmul_params_per_token,
-    peak_matmul_flops,
-    train_flops_per_token,
-)
+from espo_jax.bench import format_table, median_time
+from espo_jax.bench.model import jax_train_step, peak_matmul_flops, train_flops_per_token
 from espo_jax.bench.packing import espo_update, sequences
+from espo_jax.bench.peers import generate_flops_per_token
 from espo_jax.models import get_preset, init_params
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout import decode
@@ -270,9 +265,7 @@ def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens
     # The decode program exactly as the engine calls it (its config, weights and state).
     modules = dict([compiled_text(decode.generate_jit, engine.config, steps_per_sync,
                                   engine.params, engine.init_decode_state())])
-    flops = sum(2 * matmul_params_per_token(config)
-                + 4 * config.n_layers * config.n_heads * config.head_dim * (prompt_len + t)
-                for t in range(new_tokens)) * seqs
+    flops = sum(generate_flops_per_token(config, prompt_len + t) for t in range(new_tokens)) * seqs
     return call, modules, flops, seqs * new_tokens
 
 
@@ -296,12 +289,7 @@ def profile(name: str, program, repeats: int, traced_calls: int, peak: float) ->
     start = time.perf_counter()
     call()  # compiles
     first_s = time.perf_counter() - start
-    secs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        secs.append(time.perf_counter() - start)
-    wall = statistics.median(secs)
+    wall = median_time(call, repeats, warmup=0)
     figures = {"wall_s": wall, "first_call_s": first_s, "tokens": tokens,
                "tokens_per_s": tokens / wall, "model_flops": flops,
                "model_flops_per_s": flops / wall, "of_peak": flops / wall / peak}
