@@ -344,14 +344,16 @@ def _commit() -> str:
 
 
 def _cpu() -> str:
+    """The CPU's model name and core count, and whether it has AVX-512: XLA's CPU code, and so
+    the floats and a seed's warm start, differ between CPUs with and without it."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+            info = f.read()
     except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+        return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), platform.machine())
+    return f"{name} x{os.cpu_count()}, {'with' if 'avx512f' in info else 'without'} AVX-512"
 
 
 def main(argv: list[str]) -> int:

@@ -74,6 +74,9 @@ def test_report_only_aggregates_what_has_finished(tmp_path):
     result = json.loads((tmp_path / "loss_seeds.json").read_text())
     assert result["commit"] == "abc" and list(result["runs"]) == ["on"]
     assert result["aggregate"]["on"]["grpo"]["test_gain"]["values"] == pytest.approx([0.1])
+    with open("/proc/cpuinfo") as f:  # results are comparable within one CPU type only
+        avx512 = "avx512f" in f.read()
+    assert result["cpu"].endswith(f"{'with' if avx512 else 'without'} AVX-512"), result["cpu"]
 
 
 def test_validation_curve_keeps_one_point_per_step(tmp_path):
