@@ -71,21 +71,15 @@ def _check_cells(agg, setting, loss, acc_cell, gain_cell, row):
     assert gain_cell == f"{100 * gain['mean']:+.1f} +- {100 * gain['std']:.1f} pts", row
 
 
-def test_loss_tables_are_the_stored_comparisons():
-    """The README's five-loss rows are the stored aggregates, rounded as printed: the table of
-    both settings (`loss_seeds.json`; rows of six cells) and the off-policy one at the
-    learning rate validation chose (`loss_seeds_off_lr1e-4.json`; rows of four cells)."""
-    both, off = _stored_aggregate("loss_seeds.json"), _stored_aggregate(
-        "loss_seeds_off_lr1e-4.json")
+def test_loss_table_is_the_stored_comparison():
+    """The README's five-loss rows (six cells: loss, then test accuracy and gain on-policy and
+    off-policy, then the clip fractions) are `loss_seeds_chosen_lr.json`'s aggregates, rounded
+    as printed, one row per loss."""
+    agg = _stored_aggregate("loss_seeds_chosen_lr.json")
     rows = [line for line in README.splitlines() if line.startswith("| ") and " pts |" in line]
-    by_width = {6: 0, 4: 0}
+    assert len(rows) == 5, rows
     for row in rows:
         cells = [c.strip() for c in row.split("|")[1:-1]]
-        assert len(cells) in by_width, row
-        by_width[len(cells)] += 1
-        if len(cells) == 6:
-            _check_cells(both, "on", cells[0], cells[1], cells[2], row)
-            _check_cells(both, "off", cells[0], cells[3], cells[4], row)
-        else:
-            _check_cells(off, "off", cells[0], cells[1], cells[2], row)
-    assert by_width == {6: 5, 4: 5}, by_width
+        assert len(cells) == 6, row
+        _check_cells(agg, "on", cells[0], cells[1], cells[2], row)
+        _check_cells(agg, "off", cells[0], cells[3], cells[4], row)
