@@ -5,8 +5,10 @@ positions (20 prompt + 52 response - 1), the `small` preset, ESPO with router re
 lengths are drawn from 8-20 tokens and response lengths from 10-52 (about 36% of the padded
 positions are padding, as in the default run). The same sequences go through `pack_sequences`
 both ways, and the fused ESPO loss + gradients + AdamW update runs on each, timed in
-alternation (medians of repeats), compile apart. The gradients agree (tests/train/
-test_packing.py); this measures only the time.
+alternation (medians of repeats), compile apart; the packed rows also with attention in 4
+query blocks that skip the keys after them (`model.causal_blocks=4`). The
+gradients agree (tests/train/test_packing.py, tests/models/test_model.py); this measures only
+the time.
 
     python -m espo_jax.bench packing [--quick] [--out FILE.json]
 """
@@ -30,6 +32,7 @@ from espo_jax.train import step as step_lib
 from espo_jax.train.batch import pack_sequences
 
 PROMPT_LEN, NEW_TOKENS = 20, 52
+BLOCKS = "packed, attention in 4 causal blocks"
 
 
 def sequences(config, n: int, *, prompt_len: tuple[int, int] = (8, PROMPT_LEN),
@@ -84,12 +87,18 @@ def run(quick: bool) -> dict:
               moe_shape=(config.n_moe_layers, config.top_k))
     batches = {"padded": pack_sequences(*args, **kw, pack=False),
                "packed": pack_sequences(*args, **kw, pack=True)}
-    update, tx = espo_update(config)
+    # The packed rows again with attention in 4 query blocks that skip the keys after them
+    # (`model.causal_blocks=4`) against the preset's one block.
+    batches[BLOCKS] = batches["packed"]
+    updates = {name: espo_update(config)[0] for name in ("padded", "packed")}
+    updates[BLOCKS], tx = espo_update(config.replace(causal_blocks=4))
     params = init_params(config, jax.random.key(0))
     opt_state = tx.init(params)
     fns, figures = {}, {"preset": "tiny" if quick else "small", "sequences": rows,
-                        "seq_len": seq_len, "repeats": repeats}
+                        "seq_len": seq_len, "repeats": repeats,
+                        "causal_blocks": 4}
     for name, batch in batches.items():
+        update = updates[name]
         batch = jax.tree.map(jnp.asarray, batch)
         n_real = int(np.sum(np.asarray(batch.segment_ids) > 0))
         start = time.perf_counter()
@@ -107,6 +116,7 @@ def run(quick: bool) -> dict:
     for name in fns:
         figures[name]["update_s"] = secs[name]
     figures["packed_speedup"] = secs["padded"] / secs["packed"]
+    figures["causal_blocks_speedup"] = secs["packed"] / secs[BLOCKS]
     figures["load_average"] = os.getloadavg()
     rows_out = [[name, f"{f['model_rows']} x {f['row_len']}", f["token_slots"],
                  f"{100 * f['padding_frac']:.1f}%", f"{f['update_s']:.3f}",
@@ -116,5 +126,6 @@ def run(quick: bool) -> dict:
           f"of {repeats}, interleaved; load average {figures['load_average'][0]:.1f}")
     print(format_table(["layout", "model rows x width", "token slots", "padding",
                         "update s", "compile s", "loss"], rows_out))
-    print(f"packed update: {figures['packed_speedup']:.2f}x the padded one's speed")
+    print(f"packed update: {figures['packed_speedup']:.2f}x the padded one's speed; attention in "
+          f"4 causal blocks: {figures['causal_blocks_speedup']:.2f}x one block's")
     return figures

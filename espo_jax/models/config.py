@@ -47,6 +47,11 @@ class ModelConfig:
     # 0: attention materialises [B, H, T, S] scores; n > 0: queries in chunks of n tokens whose
     # scores are recomputed in the backward pass (memory O(n S) instead of O(T S); same result)
     attention_chunk: int = 0
+    # n > 1: attention without a cache (the learner's forward) in n query blocks, each reading
+    # only the keys up to its own end: a key after its query in a row is never visible, so
+    # ~(n-1)/2n of the score work is skipped; equal to n = 1 up to float summation order.
+    # Needs positions that increase along each segment of a row (every batch here has them).
+    causal_blocks: int = 1
 
     def __post_init__(self):
         errors = []
@@ -77,6 +82,8 @@ class ModelConfig:
             errors.append(f"shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
         if self.dispatch not in DISPATCHES:
             errors.append(f"dispatch {self.dispatch!r} is not one of {DISPATCHES}")
+        if self.causal_blocks < 1:
+            errors.append(f"causal_blocks must be >= 1 (1: one block), got {self.causal_blocks}")
         if self.attention_chunk < 0:
             errors.append(f"attention_chunk must be >= 0 (0: unchunked), got "
                           f"{self.attention_chunk}")

@@ -151,6 +151,27 @@ def chunked(attend: Callable[..., jax.Array], q_BxTxKxGxA: jax.Array,
     return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :t]
 
 
+def causal_blocks(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array, segments_BxT: jax.Array,
+                  *, keys_BxKxSxA: jax.Array, values_BxKxSxA: jax.Array, n: int,
+                  dtype: Any) -> jax.Array:
+    """`attend_keys` of a row over its own tokens (no cache; S == T) in `n` query blocks, the
+    block of rows [lo, hi) reading only keys [0, hi). A key after its query in the row is never
+    visible (a later position of the query's segment, or a later segment: another sequence), so
+    the keys left out are masked ones; the result is the full attention's up to float summation
+    order, for ~(n + 1) / 2n of the score work. Needs positions increasing along each segment."""
+    t = q_BxTxKxGxA.shape[1]
+    size = -(-t // n)
+    outs = []
+    for lo in range(0, t, size):
+        hi = min(t, lo + size)
+        outs.append(attend_keys(
+            q_BxTxKxGxA[:, lo:hi], positions_BxT[:, lo:hi], segments_BxT[:, lo:hi],
+            keys_BxKxSxA=keys_BxKxSxA[:, :, :hi], values_BxKxSxA=values_BxKxSxA[:, :, :hi],
+            key_pos_BxS=positions_BxT[:, :hi], key_valid_BxS=segments_BxT[:, :hi] > 0,
+            key_segments_BxS=segments_BxT[:, :hi], dtype=dtype))
+    return jnp.concatenate(outs, axis=1)
+
+
 class Attention(nn.Module):
     """Grouped-query attention (K kv heads shared by H/K query heads each), q/k RMSNorm per
     head, RoPE. A query at position p sees keys at positions <= p that are valid (segment id
@@ -211,6 +232,11 @@ class Attention(nn.Module):
         if c.attention_chunk and t > c.attention_chunk:
             out_BxTxKxGxA = chunked(attend, q_BxTxKxGxA, positions_BxT, segments_BxT,
                                     c.attention_chunk)
+        elif cache is None and c.causal_blocks > 1 and t >= 2 * c.causal_blocks:
+            out_BxTxKxGxA = causal_blocks(q_BxTxKxGxA, positions_BxT, segments_BxT,
+                                          keys_BxKxSxA=keys_BxKxSxA,
+                                          values_BxKxSxA=values_BxKxSxA, n=c.causal_blocks,
+                                          dtype=c.dtype)
         else:
             out_BxTxKxGxA = attend(q_BxTxKxGxA, positions_BxT, segments_BxT)
         out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxKxGxA.reshape(b, t, h * a))

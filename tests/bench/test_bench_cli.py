@@ -57,3 +57,5 @@ def test_packing_quick_same_loss_fewer_slots(tmp_path):
     assert f["packed"]["real_tokens"] == f["padded"]["real_tokens"]
     assert f["packed"]["token_slots"] < f["padded"]["token_slots"]
     assert abs(f["packed"]["loss"] - f["padded"]["loss"]) < 1e-5
+    # Attention in 4 causal query blocks against one block: the same loss.
+    assert abs(f["packed, attention in 4 causal blocks"]["loss"] - f["packed"]["loss"]) < 1e-5

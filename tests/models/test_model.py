@@ -364,6 +364,54 @@ def test_remat_gives_the_same_gradients(params, tokens, jit):
         np.testing.assert_allclose(a, b, atol=1e-7)
 
 
+# ---- attention in causal blocks ---------------------------------------------------------------
+ONE_BLOCK = TINY  # the preset's: attention in one block
+
+
+def _packed_rows():
+    """Two rows of 12 tokens: three packed sequences (positions restart per segment, a padded
+    tail) and one left-padded sequence, the layouts the learner builds."""
+    segments = jnp.array([[1] * 4 + [2] * 5 + [3] * 2 + [0], [0] * 3 + [1] * 9])
+    positions = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 0], [0, 0, 0, *range(9)]])
+    return segments, positions
+
+
+@pytest.mark.parametrize("blocks", [3, 4, 5])  # 12 tokens: blocks of 4, 3, and 3 x 3 + 0
+def test_causal_blocks_give_the_full_attention(params, tokens, jit, blocks):
+    """Query blocks that read only the keys up to their own end: logits, routing and gradients
+    as with one block (the keys left out are always masked), on packed and padded rows."""
+    segments, positions = _packed_rows()
+
+    def out(p, cfg):
+        o = forward(cfg, p, tokens, positions_BxT=positions, segment_ids_BxT=segments)
+        return o.logits, o.routed_experts
+
+    def loss(p, cfg):
+        logits = out(p, cfg)[0]
+        return jnp.sum(jax.nn.logsumexp(logits, -1) * (segments > 0)) / jnp.sum(segments > 0)
+
+    cfg = TINY.replace(causal_blocks=blocks)
+    (full, routed), (part, routed_part) = jit(out, static_argnums=1)(params, ONE_BLOCK), jit(
+        out, static_argnums=1)(params, cfg)
+    valid = np.asarray(segments > 0)
+    np.testing.assert_allclose(np.asarray(part)[valid], np.asarray(full)[valid], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(routed_part)[valid], np.asarray(routed)[valid])
+    grad = jit(jax.grad(loss), static_argnums=1)
+    for a, b in zip(jax.tree_util.tree_leaves(grad(params, ONE_BLOCK)),
+                    jax.tree_util.tree_leaves(grad(params, cfg)), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def test_causal_blocks_are_checked_and_leave_the_cache_path_alone(params, tokens, fwd):
+    with pytest.raises(ValueError, match="causal_blocks must be >= 1"):
+        TINY.replace(causal_blocks=0)
+    cache, empty = init_cache(TINY, 2, 16), jnp.zeros((2, 16), bool)
+    with_cache = fwd(TINY.replace(causal_blocks=4), params, tokens, cache=cache,
+                     cache_mask_BxS=empty)
+    one_block = fwd(ONE_BLOCK, params, tokens, cache=cache, cache_mask_BxS=empty)
+    np.testing.assert_array_equal(with_cache.logits, one_block.logits)  # a prefill: one block
+
+
 # ---- chunked attention ------------------------------------------------------------------------
 CHUNKED = TINY.replace(attention_chunk=5)  # 12 tokens: chunks of 5, 5 and 2 (+3 padding rows)
 
@@ -372,7 +420,7 @@ def test_chunked_attention_gives_the_same_logits(params, tokens, fwd):
     """Left padding and per-row positions as in test_left_padding_with_attention_mask."""
     mask = jnp.stack([jnp.ones(12, bool), jnp.arange(12) >= 3])
     positions = jnp.stack([jnp.arange(12), jnp.maximum(jnp.arange(12) - 3, 0)])
-    full = fwd(TINY, params, tokens, positions_BxT=positions, attention_mask_BxT=mask)
+    full = fwd(ONE_BLOCK, params, tokens, positions_BxT=positions, attention_mask_BxT=mask)
     part = fwd(CHUNKED, params, tokens, positions_BxT=positions, attention_mask_BxT=mask)
     np.testing.assert_allclose(part.logits[0], full.logits[0], atol=1e-5)
     np.testing.assert_allclose(part.logits[1, 3:], full.logits[1, 3:], atol=1e-5)
@@ -395,7 +443,7 @@ def test_chunked_attention_gives_the_same_gradients(params, tokens, jit):
         return jnp.mean(jax.nn.logsumexp(out.logits, -1)) + out.aux_loss
 
     grad = jit(jax.grad(loss), static_argnums=1)
-    for a, b in zip(jax.tree_util.tree_leaves(grad(params, TINY)),
+    for a, b in zip(jax.tree_util.tree_leaves(grad(params, ONE_BLOCK)),
                     jax.tree_util.tree_leaves(grad(params, CHUNKED)), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
