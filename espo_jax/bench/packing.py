@@ -32,7 +32,8 @@ from espo_jax.train import step as step_lib
 from espo_jax.train.batch import pack_sequences
 
 PROMPT_LEN, NEW_TOKENS = 20, 52
-BLOCKS = "packed, attention in 4 causal blocks"
+N_BLOCKS = 4
+BLOCKS = f"packed, attention in {N_BLOCKS} causal blocks"
 
 
 def sequences(config, n: int, *, prompt_len: tuple[int, int] = (8, PROMPT_LEN),
@@ -90,13 +91,14 @@ def run(quick: bool) -> dict:
     # The packed rows again with attention in 4 query blocks that skip the keys after them
     # (`model.causal_blocks=4`) against the preset's one block.
     batches[BLOCKS] = batches["packed"]
-    updates = {name: espo_update(config)[0] for name in ("padded", "packed")}
-    updates[BLOCKS], tx = espo_update(config.replace(causal_blocks=4))
+    update, tx = espo_update(config)
+    updates = {"padded": update, "packed": update,
+               BLOCKS: espo_update(config.replace(causal_blocks=N_BLOCKS))[0]}
     params = init_params(config, jax.random.key(0))
     opt_state = tx.init(params)
     fns, figures = {}, {"preset": "tiny" if quick else "small", "sequences": rows,
                         "seq_len": seq_len, "repeats": repeats,
-                        "causal_blocks": 4}
+                        "causal_blocks": N_BLOCKS}
     for name, batch in batches.items():
         update = updates[name]
         batch = jax.tree.map(jnp.asarray, batch)
@@ -127,5 +129,5 @@ def run(quick: bool) -> dict:
     print(format_table(["layout", "model rows x width", "token slots", "padding",
                         "update s", "compile s", "loss"], rows_out))
     print(f"packed update: {figures['packed_speedup']:.2f}x the padded one's speed; attention in "
-          f"4 causal blocks: {figures['causal_blocks_speedup']:.2f}x one block's")
+          f"{N_BLOCKS} causal blocks: {figures['causal_blocks_speedup']:.2f}x one block's")
     return figures
