@@ -1,18 +1,20 @@
-"""The default experiment's recipe on the validation split, one value changed per run.
+"""The default experiment's recipe on the validation split, one value changed per run, per seed.
 
-    python launch/recipe_validation.py --workdir /tmp/recipe_val [--init_from WARM/warmstart]
-        [--seed=0] [--num_prompts=600] [--eval_every=40] [--jobs=2]
-        [--change=NAME:KEY=VALUE ...] [--report_only]
+    python launch/recipe_validation.py --workdir /tmp/recipe_val [--seeds=0,1,2]
+        [--init_from 'WARM/seed{seed}/warmstart'] [--num_prompts=600] [--eval_every=40]
+        [--jobs=2] [--change=NAME:KEY=VALUE ...] [--report_only]
 
-Every run is `experiments/arith_espo.py` (the full recipe: 120 RL steps) from one warm start,
-evaluated on `--num_prompts` prompts of the validation split every `--eval_every` steps and at
-the end; the test split is not read. Run `recipe` is the recipe as it is; every `--change` runs
-it with one `--config.KEY=VALUE` (default: anchor 0.5, 16 prompts per step, no step credit).
-The warm start is `--init_from`, or the recipe's own (WORKDIR/warm, `train.steps=0`). Runs
-execute WORKDIR/code (a copy of the package made at the first launch, as `loss_seeds.py` does);
-a finished run is not run again, so the same command resumes. Writes
-WORKDIR/recipe_validation.json (each run's final and per-evaluation validation accuracy, the
-commit, the CPU) and WORKDIR/recipe_validation.png (the validation curves).
+Every run is `experiments/arith_espo.py` (the full recipe: 120 RL steps) from its seed's warm
+start, evaluated on `--num_prompts` prompts of the validation split every `--eval_every` steps
+and at the end; the test split is not read. Run `recipe` is the recipe as it is; every
+`--change` runs it with one `--config.KEY=VALUE` (default: anchor 0.5, 16 prompts per step, no
+step credit). Runs live in WORKDIR/seed{S}/NAME. The warm start is `--init_from` (`{seed}` in
+it becomes each seed), or the recipe's own per seed (WORKDIR/seed{S}/warm, `train.steps=0`).
+Runs execute WORKDIR/code (a copy of the package made at the first launch, as `loss_seeds.py`
+does); a finished run is not run again, so the same command resumes, and more seeds can be
+added later. Writes WORKDIR/recipe_validation.json (per run and seed the final and per-evaluation
+validation accuracy, the mean and std over seeds, each change's per-seed difference to the
+recipe; the commit, the CPU) and WORKDIR/recipe_validation.png (the curves, a panel per seed).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ import main_jobs  # noqa: E402
 CHANGES = ("anchor0.5:train.anchor_coef=0.5", "prompts16:rollout.prompts_per_step=16",
            "credit_zero:zve.tie_break.wrong_score=zero")
 
-flags.DEFINE_string("workdir", None, "one subdirectory per run, and the results")
-flags.DEFINE_string("init_from", None, "a warm start (WORKDIR/warmstart of a run); default: "
-                    "the recipe's own, made in WORKDIR/warm")
-flags.DEFINE_integer("seed", 0, "--config.seed of every run")
+flags.DEFINE_string("workdir", None, "one subdirectory per seed and run, and the results")
+flags.DEFINE_string("init_from", None, "a warm start (WORKDIR/warmstart of a run), '{seed}' "
+                    "replaced by each seed; default: the recipe's own, in WORKDIR/seed{S}/warm")
+flags.DEFINE_list("seeds", ["0"], "--config.seed of the runs: one set of runs per seed")
 flags.DEFINE_integer("num_prompts", 600, "validation prompts per evaluation")
 flags.DEFINE_integer("eval_every", 40, "RL steps between evaluations")
 flags.DEFINE_integer("jobs", 2, "main jobs at a time", lower_bound=1)
@@ -57,28 +59,57 @@ def parse_changes(changes: list[str]) -> dict[str, list[str]]:
     return runs
 
 
-def report(workdir: str, runs: dict[str, list[str]]) -> dict:
-    """The json (and plot) of the runs in WORKDIR that have finished."""
+def parse_seeds(seeds: list[str]) -> list[int]:
+    try:
+        out = [int(s) for s in seeds]
+    except ValueError:
+        out = []
+    if not out or len(set(out)) != len(out) or min(out) < 0:
+        raise app.UsageError(f"--seeds={','.join(seeds)}: expected distinct integers >= 0")
+    return out
+
+
+def run_dir(workdir: str, seed: int, name: str) -> str:
+    return os.path.join(workdir, f"seed{seed}", name)
+
+
+def report(workdir: str, runs: dict[str, list[str]], seeds: list[int]) -> dict:
+    """The json (and plot) of the runs in WORKDIR that have finished: per run, each seed's
+    validation accuracy and curve, the mean and std over its seeds, and (a change) its per-seed
+    difference to the recipe, on the seeds both finished."""
     with open(os.path.join(workdir, "code", "commit.txt")) as f:
         commit = f.read().strip()
     out = {"what": "arith_espo.py's recipe on the validation split, one value changed per run; "
                    "the test split is not read",
-           "seed": FLAGS.seed, "num_prompts": FLAGS.num_prompts, "commit": commit,
+           "seeds": seeds, "num_prompts": FLAGS.num_prompts, "commit": commit,
            "cpu": loss_seeds._cpu(), "runs": {}}
     for name, extra in runs.items():
-        run_dir = os.path.join(workdir, name)
-        s = main_jobs.summary(run_dir)
-        if s is None:
+        done = {seed: (s, run_dir(workdir, seed, name)) for seed in seeds
+                if (s := main_jobs.summary(run_dir(workdir, seed, name))) is not None}
+        if not done:
             continue
-        out["runs"][name] = {
+        accuracy = {str(seed): s["final_accuracy"] for seed, (s, _) in done.items()}
+        entry = {
             "change": [e.removeprefix("--config.") for e in extra],
-            "validation_accuracy": s["final_accuracy"],
-            "validation_at_start": s["warmstart_accuracy"],
-            "validation_curve": [list(p) for p in loss_seeds.validation_curve(run_dir)],
-            "steps": s["steps"], "generated_tokens": s["generated_tokens"],
-            "rl_seconds": s["rl_seconds"]}
-        print(f"{name:12s} {' '.join(out['runs'][name]['change']) or 'the recipe':40s} "
-              f"{s['warmstart_accuracy']:.3f} -> {s['final_accuracy']:.3f}")
+            "validation_accuracy": accuracy,
+            "over_seeds": loss_seeds.mean_std(list(accuracy.values())),
+            "validation_at_start": {str(seed): s["warmstart_accuracy"]
+                                    for seed, (s, _) in done.items()},
+            "validation_curve": {str(seed): [list(p) for p in loss_seeds.validation_curve(d)]
+                                 for seed, (_, d) in done.items()},
+            "steps": {str(seed): s["steps"] for seed, (s, _) in done.items()},
+            "generated_tokens": {str(seed): s["generated_tokens"] for seed, (s, _) in done.items()},
+            "rl_seconds": {str(seed): s["rl_seconds"] for seed, (s, _) in done.items()}}
+        recipe = out["runs"].get("recipe", {}).get("validation_accuracy", {})
+        if extra and (both := [seed for seed in accuracy if seed in recipe]):
+            entry["minus_recipe"] = {seed: accuracy[seed] - recipe[seed] for seed in both}
+        out["runs"][name] = entry
+        over = entry["over_seeds"]
+        against = (" vs recipe " + " ".join(f"{d:+.3f}" for d in entry["minus_recipe"].values())
+                   if "minus_recipe" in entry else "")
+        print(f"{name:12s} {' '.join(entry['change']) or 'the recipe':40s} "
+              f"{' '.join(f'{a:.3f}' for a in accuracy.values())} (seeds "
+              f"{','.join(accuracy)}): {over['mean']:.3f} +- {over['std']:.3f}{against}")
     with open(os.path.join(workdir, "recipe_validation.json"), "w") as f:
         json.dump(out, f, indent=1)
     if out["runs"]:
@@ -92,16 +123,23 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for run in result["runs"].values():
-        xs, ys = zip(*run["validation_curve"], strict=True)
-        label = " ".join(run["change"]) or "the recipe"
-        ax.plot(xs, ys, marker="o", label=f"{label}: {run['validation_accuracy']:.3f}")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(f"validation greedy accuracy ({result['num_prompts']} prompts)")
-    ax.set_title(f"arith_espo's recipe on validation: seed {result['seed']}, one change per run")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    seeds = [str(s) for s in result["seeds"]]
+    fig, axes = plt.subplots(1, len(seeds), figsize=(4.6 * len(seeds) + 1.0, 4.2),
+                             sharey=True, squeeze=False)
+    for ax, seed in zip(axes[0], seeds, strict=True):
+        for run in result["runs"].values():
+            if seed not in run["validation_curve"]:
+                continue
+            xs, ys = zip(*run["validation_curve"][seed], strict=True)
+            label = " ".join(run["change"]) or "the recipe"
+            ax.plot(xs, ys, marker="o", label=f"{label}: {run['validation_accuracy'][seed]:.3f}")
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"validation greedy accuracy ({result['num_prompts']} prompts)")
+    fig.suptitle("arith_espo's recipe on validation, one change per run")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -111,30 +149,43 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     runs = parse_changes(FLAGS.change)
+    seeds = parse_seeds(FLAGS.seeds)
+    if FLAGS.init_from and len(seeds) > 1 and "{seed}" not in FLAGS.init_from:
+        raise app.UsageError(f"--init_from={FLAGS.init_from} has no '{{seed}}': every seed "
+                             "would start from the same warm start")
     workdir = os.path.abspath(FLAGS.workdir)
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     code = loss_seeds.snapshot(workdir)
     if not FLAGS.report_only:
-        common = [f"--config.seed={FLAGS.seed}", "--config.eval.split=validation",
-                  f"--config.eval.num_prompts={FLAGS.num_prompts}"]
-        init_from = FLAGS.init_from
-        if init_from is None:
-            warm = os.path.join(workdir, "warm")
-            main_jobs.run_main(warm, "arith_espo", common + ["--config.train.steps=0"],
-                               label="warm", small=FLAGS.small,
-                               log_path=os.path.join(logs, "warm.log"), code=code)
-            init_from = os.path.join(warm, "warmstart")
-        common += [f"--config.eval.every={FLAGS.eval_every}",
-                   f"--config.checkpoint.init_from={os.path.abspath(init_from)}"]
+        def common(seed: int) -> list[str]:
+            return [f"--config.seed={seed}", "--config.eval.split=validation",
+                    f"--config.eval.num_prompts={FLAGS.num_prompts}"]
+
         with concurrent.futures.ThreadPoolExecutor(max_workers=FLAGS.jobs) as pool:
-            jobs = [pool.submit(main_jobs.run_main, os.path.join(workdir, name), "arith_espo",
-                                common + extra, label=name, small=FLAGS.small,
-                                log_path=os.path.join(logs, f"{name}.log"), code=code)
-                    for name, extra in runs.items()]
+            if FLAGS.init_from is None:  # each seed's own warm start first
+                warm = {seed: pool.submit(
+                    main_jobs.run_main, run_dir(workdir, seed, "warm"), "arith_espo",
+                    common(seed) + ["--config.train.steps=0"], label=f"seed{seed}/warm",
+                    small=FLAGS.small, log_path=os.path.join(logs, f"seed{seed}_warm.log"),
+                    code=code) for seed in seeds}
+                for job in warm.values():
+                    job.result()
+            jobs = []
+            for seed in seeds:
+                init_from = (FLAGS.init_from.replace("{seed}", str(seed)) if FLAGS.init_from
+                             else os.path.join(run_dir(workdir, seed, "warm"), "warmstart"))
+                flags_seed = common(seed) + [
+                    f"--config.eval.every={FLAGS.eval_every}",
+                    f"--config.checkpoint.init_from={os.path.abspath(init_from)}"]
+                jobs += [pool.submit(main_jobs.run_main, run_dir(workdir, seed, name),
+                                     "arith_espo", flags_seed + extra, label=f"seed{seed}/{name}",
+                                     small=FLAGS.small, code=code,
+                                     log_path=os.path.join(logs, f"seed{seed}_{name}.log"))
+                         for name, extra in runs.items()]
             for job in jobs:
                 job.result()
-    report(workdir, runs)
+    report(workdir, runs, seeds)
     print(f"written: {workdir}/recipe_validation.json, recipe_validation.png")
     return 0
 
