@@ -3,6 +3,7 @@ and it stays a page people read."""
 
 import contextlib
 import io
+import json
 import os
 import re
 
@@ -39,7 +40,6 @@ def test_cited_results_files_exist_and_the_page_is_short():
 
 def test_ms_zve_table_is_the_stored_benchmark():
     """The README's MS-ZVE rows are `zve_bench.json`'s figures, rounded as printed."""
-    import json
 
     with open(os.path.join(REPO, "experiments", "results", "zve_bench.json")) as f:
         configs = json.load(f)["configurations"]
@@ -55,7 +55,6 @@ def test_ms_zve_table_is_the_stored_benchmark():
 
 
 def _stored_aggregate(name):
-    import json
 
     with open(os.path.join(REPO, "experiments", "results", name)) as f:
         return json.load(f)["aggregate"]
@@ -83,3 +82,26 @@ def test_loss_table_is_the_stored_comparison():
         assert len(cells) == 6, row
         _check_cells(agg, "on", cells[0], cells[1], cells[2], row)
         _check_cells(agg, "off", cells[0], cells[3], cells[4], row)
+
+
+def test_speed_table_is_the_stored_peers_benchmark():
+    """The README's three speed rows are `peers_bench.json`'s figures as printed: espo_jax's
+    step time or tokens/s, the peer's, and their ratio."""
+    with open(os.path.join(REPO, "experiments", "results", "peers_bench.json")) as f:
+        bench = json.load(f)
+    grpo, gen, train = bench["grpo_step"], bench["generation"], bench["train_step"]
+    expected = {
+        "| GRPO step": (f"{grpo['espo_step_s']:.3f} s", f"{grpo['trl_step_s']:.3f} s",
+                        f"{grpo['espo_over_trl']:.2f}x"),
+        "| generation": (f"{gen['espo_tokens_per_s']:.0f} tok/s",
+                         f"{gen['hf_tokens_per_s']:.0f} tok/s", f"{gen['espo_over_hf']:.2f}x"),
+        "| train step": (f"{train['jax_tokens_per_s']:.0f} tok/s",
+                         f"{train['torch_tokens_per_s']:.0f} tok/s",
+                         f"{train['jax_over_torch']:.2f}x")}
+    for start, (ours, peer, ratio) in expected.items():
+        rows = [line for line in README.splitlines() if line.startswith(start)]
+        assert len(rows) == 1, (start, rows)
+        cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+        assert cells[1] == ours and cells[2].endswith(peer) and cells[3] == ratio, rows[0]
+    of_peak = train["jax_flops_per_s"] / bench["peak_matmul_flops"]
+    assert f"{100 * of_peak:.0f}% of peak" in README
