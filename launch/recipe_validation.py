@@ -14,7 +14,8 @@ Runs execute WORKDIR/code (a copy of the package made at the first launch, as `l
 does); a finished run is not run again, so the same command resumes, and more seeds can be
 added later. Writes WORKDIR/recipe_validation.json (per run and seed the final and per-evaluation
 validation accuracy, the mean and std over seeds, each change's per-seed difference to the
-recipe; the commit, the CPU) and WORKDIR/recipe_validation.png (the curves, a panel per seed).
+recipe and their mean and std; the commit, the CPU) and WORKDIR/recipe_validation.png (the
+curves, a panel per seed).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ def report(workdir: str, runs: dict[str, list[str]], seeds: list[int]) -> dict:
         recipe = out["runs"].get("recipe", {}).get("validation_accuracy", {})
         if extra and (both := [seed for seed in accuracy if seed in recipe]):
             entry["minus_recipe"] = {seed: accuracy[seed] - recipe[seed] for seed in both}
+            entry["minus_recipe_over_seeds"] = loss_seeds.mean_std(
+                list(entry["minus_recipe"].values()))
         out["runs"][name] = entry
         over = entry["over_seeds"]
         against = (" vs recipe " + " ".join(f"{d:+.3f}" for d in entry["minus_recipe"].values())

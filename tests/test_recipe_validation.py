@@ -67,6 +67,7 @@ def test_seeds_give_mean_std_and_paired_differences_on_the_seeds_both_finished(t
     assert p16["validation_accuracy"] == {"0": pytest.approx(0.7), "2": pytest.approx(0.76)}
     assert p16["over_seeds"]["mean"] == pytest.approx(0.73)
     assert p16["minus_recipe"] == {"0": pytest.approx(-0.1)}
+    assert p16["minus_recipe_over_seeds"]["mean"] == pytest.approx(-0.1)
     assert "vs recipe -0.100" in out
 
 
