@@ -74,6 +74,10 @@ def run_dir(workdir: str, seed: int, name: str) -> str:
     return os.path.join(workdir, f"seed{seed}", name)
 
 
+def _per_seed(summaries: dict[str, dict], key: str) -> dict:
+    return {seed: s[key] for seed, s in summaries.items()}
+
+
 def report(workdir: str, runs: dict[str, list[str]], seeds: list[int]) -> dict:
     """The json (and plot) of the runs in WORKDIR that have finished: per run, each seed's
     validation accuracy and curve, the mean and std over its seeds, and (a change) its per-seed
@@ -85,22 +89,19 @@ def report(workdir: str, runs: dict[str, list[str]], seeds: list[int]) -> dict:
            "seeds": seeds, "num_prompts": FLAGS.num_prompts, "commit": commit,
            "cpu": loss_seeds._cpu(), "runs": {}}
     for name, extra in runs.items():
-        done = {seed: (s, run_dir(workdir, seed, name)) for seed in seeds
+        done = {str(seed): s for seed in seeds
                 if (s := main_jobs.summary(run_dir(workdir, seed, name))) is not None}
         if not done:
             continue
-        accuracy = {str(seed): s["final_accuracy"] for seed, (s, _) in done.items()}
+        accuracy = _per_seed(done, "final_accuracy")
         entry = {
             "change": [e.removeprefix("--config.") for e in extra],
             "validation_accuracy": accuracy,
             "over_seeds": loss_seeds.mean_std(list(accuracy.values())),
-            "validation_at_start": {str(seed): s["warmstart_accuracy"]
-                                    for seed, (s, _) in done.items()},
-            "validation_curve": {str(seed): [list(p) for p in loss_seeds.validation_curve(d)]
-                                 for seed, (_, d) in done.items()},
-            "steps": {str(seed): s["steps"] for seed, (s, _) in done.items()},
-            "generated_tokens": {str(seed): s["generated_tokens"] for seed, (s, _) in done.items()},
-            "rl_seconds": {str(seed): s["rl_seconds"] for seed, (s, _) in done.items()}}
+            "validation_at_start": _per_seed(done, "warmstart_accuracy"),
+            "validation_curve": {seed: [list(p) for p in loss_seeds.validation_curve(
+                run_dir(workdir, int(seed), name))] for seed in done},
+            **{key: _per_seed(done, key) for key in ("steps", "generated_tokens", "rl_seconds")}}
         recipe = out["runs"].get("recipe", {}).get("validation_accuracy", {})
         if extra and (both := [seed for seed in accuracy if seed in recipe]):
             entry["minus_recipe"] = {seed: accuracy[seed] - recipe[seed] for seed in both}

@@ -40,7 +40,6 @@ def test_cited_results_files_exist_and_the_page_is_short():
 
 def test_ms_zve_table_is_the_stored_benchmark():
     """The README's MS-ZVE rows are `zve_bench.json`'s figures, rounded as printed."""
-
     with open(os.path.join(REPO, "experiments", "results", "zve_bench.json")) as f:
         configs = json.load(f)["configurations"]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -55,7 +54,6 @@ def test_ms_zve_table_is_the_stored_benchmark():
 
 
 def _stored_aggregate(name):
-
     with open(os.path.join(REPO, "experiments", "results", name)) as f:
         return json.load(f)["aggregate"]
 
