@@ -35,6 +35,7 @@ import optax
 
 from espo_jax.bench import format_table, median_time
 from espo_jax.models import ModelConfig, forward, get_preset, hf_io, init_params
+from espo_jax.train import step as step_lib
 
 PRESETS = ("tiny", "small")
 LEARNING_RATE = 1e-4
@@ -85,7 +86,8 @@ def jax_train_step(config: ModelConfig, opt: optax.GradientTransformation, param
 def _jax_stepper(config: ModelConfig, params: dict, tokens: np.ndarray) -> tuple[Any, dict]:
     """A blocking `step()` of the jitted JAX train step, and facts of its first (compiling) call."""
     opt = optax.adamw(LEARNING_RATE)
-    step = jax.jit(functools.partial(jax_train_step, config, opt), donate_argnums=(0, 1))
+    step = jax.jit(functools.partial(jax_train_step, config, opt), donate_argnums=(0, 1),
+                   compiler_options=step_lib.compiler_options())  # the learner's XLA options
     state = {"params": jax.tree.map(jnp.array, params)}
     state["opt"] = opt.init(state["params"])
     tokens = jnp.asarray(tokens)

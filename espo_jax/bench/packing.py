@@ -69,7 +69,7 @@ def espo_update(config, lr: float = 1e-4):
                                 fused=True)
     tx = optax.adamw(lr)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=step_lib.compiler_options())
     def update(params, opt_state, batch):
         (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)

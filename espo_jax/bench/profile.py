@@ -48,6 +48,7 @@ from espo_jax.models.config import ModelConfig
 from espo_jax.rollout import decode
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.train import step as step_lib
 from espo_jax.train.batch import pack_sequences
 
 # bench peers' model (TRL's GRPO test model scaled to a CPU), built without transformers;
@@ -232,7 +233,8 @@ def compiled_text(jitted, *args) -> tuple[str, str]:
 def train_program(config: ModelConfig, batch: int, seq: int):
     """bench peers' train step: (blocking call, {module: hlo}, model FLOPs per call, tokens)."""
     opt = optax.adamw(1e-5)
-    step = jax.jit(functools.partial(jax_train_step, config, opt))
+    step = jax.jit(functools.partial(jax_train_step, config, opt),
+                   compiler_options=step_lib.compiler_options())
     params = init_params(config, jax.random.key(0))
     opt_state = opt.init(params)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (batch, seq),

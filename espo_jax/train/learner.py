@@ -99,17 +99,18 @@ class Learner:
         batch_shardings = jax.tree.map(lambda _: rows_sharding, self._example_batch())
         # The passes without a gradient run the forward-only dispatch (the same outputs).
         frozen_kw = {**kw, "model_config": model_config.forward_only()}
+        options = step_lib.compiler_options()
         self._old_pass = self._under_rules(jax.jit(
             functools.partial(step_lib.old_policy_pass, **frozen_kw),
             in_shardings=(state_shardings.params, batch_shardings),
-            out_shardings=None,
+            out_shardings=None, compiler_options=options,
         ))
         self.ref_params = None  # the KL penalty's reference policy (`set_reference`)
         self._anchor = None  # worked solutions of the supervised anchor (`set_anchor`)
         self._ref_pass = self._under_rules(jax.jit(
             functools.partial(step_lib.reference_pass, **frozen_kw),
             in_shardings=(state_shardings.params, None),  # the batch as put (after old pass)
-            out_shardings=None,
+            out_shardings=None, compiler_options=options,
         ))
         # A copy in new buffers: the train step donates the state, the reference must outlive it.
         self._copy = jax.jit(lambda tree: jax.tree.map(lambda x: x + 0, tree),
@@ -128,7 +129,7 @@ class Learner:
                 functools.partial(step_lib.rl_train_step, fused=fused, **step_kw),
                 in_shardings=(state_shardings, None, None),
                 out_shardings=(state_shardings, replicated),
-                donate_argnums=(0,),
+                donate_argnums=(0,), compiler_options=options,
             )
             for fused in (False, True)
         )

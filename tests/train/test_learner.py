@@ -399,8 +399,8 @@ def test_old_policy_pass_runs_the_forward_only_dispatch(learner_setup):
     looped, m_looped = learner._old_pass(params, batch)
     gathered, m_gathered = jax.jit(functools.partial(
         step_lib.old_policy_pass, model_config=learner.model_config,
-        replay=learner.config.train.replay, chunk_size=learner.config.train.logprob_chunk))(
-        params, batch)
+        replay=learner.config.train.replay, chunk_size=learner.config.train.logprob_chunk),
+        compiler_options=step_lib.compiler_options())(params, batch)
     np.testing.assert_array_equal(looped.old_logp, gathered.old_logp)
     np.testing.assert_array_equal(looped.old_entropy, gathered.old_entropy)
     np.testing.assert_array_equal(looped.old_routed_experts, gathered.old_routed_experts)
