@@ -134,10 +134,10 @@ class ModelConfig:
 
     def forward_only(self) -> ModelConfig:
         """This model for passes without a gradient (the learner's old-policy and reference
-        passes): the dropless dispatch looped over its blocks, each block reading its expert's
-        weights in place. The same outputs bit for bit (tests/models/test_model.py); the
-        gathered layout copies the weights into [blocks, D, F], which its gradient wants and
-        a forward alone does not (forward 1.8x faster at 4k tokens on a 2-core CPU)."""
+        passes): the dropless dispatch looped expert by expert, each expert's weights read
+        once. The same outputs bit for bit (tests/models/test_model.py); the gathered layout
+        copies the weights into [blocks, D, F], which its gradient wants and a forward alone
+        does not (`espo_jax/models/moe.py` has the measured times)."""
         return self.replace(dispatch="dropless_loop") if self.dispatch == "dropless" else self
 
     @classmethod
