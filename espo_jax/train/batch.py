@@ -14,7 +14,10 @@ padding. The loss side keeps the per-sequence `[B, T]` layout: `unpack[b, t]` is
 into the `[R, W]` model outputs of sequence b's position t (R*W where there is none), so the
 losses, advantages and aggregations are the unpacked ones, value for value. R is rounded up
 to a multiple of 1/PACK_BUCKETS of the rows the unpacked tokens would fill (a few distinct
-shapes, each compiled once).
+shapes, each compiled once). Where packed rows would hold no fewer positions than one row per
+sequence (every sequence near the longest), the batch is not packed: the same positions, and
+attention over rows half as long (bench peers' GRPO update, 64 sequences of 47 tokens: 0.312 ->
+0.287 s).
 """
 
 from __future__ import annotations
@@ -136,6 +139,11 @@ def pack_sequences(
         most = -(-per_shard * seq_len // width)  # rows of `width` the unpacked tokens fill
         step = max(1, most // PACK_BUCKETS)
         model_per_shard = min(most, -(-max(1, *map(len, filled)) // step) * step)
+        # Rows that save no positions (sequences near the longest): one row per sequence
+        # instead, the same work at half the attention row length.
+        pack = model_per_shard * width < per_shard * seq_len
+        width = width if pack else seq_len
+    if pack:
         for d, (shard, shard_rows) in enumerate(zip(shards, filled, strict=True)):
             for j, members in enumerate(shard_rows):
                 col = 0

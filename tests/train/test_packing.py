@@ -57,6 +57,20 @@ def test_packing_fills_fewer_rows_and_keeps_every_token(setup):
     np.testing.assert_array_equal(has, np.asarray(padded.segment_ids) > 0)
 
 
+def test_sequences_of_one_length_stay_one_per_row():
+    """Sequences of 24 inputs (SEQ_LEN), two to a packed row of 48: 16 of them fill 8 rows,
+    the 384 positions of one row each, so the batch is not packed (the same work on rows half
+    as long); 12 of them fill 6 rows (288 positions against 384) and are packed."""
+    def batch(n):
+        args = sequences(CONFIG, n, prompt_len=(4, 4), response_len=(21, 21), max_len=SEQ_LEN + 1)
+        return pack_sequences(*args, rows=ROWS, seq_len=SEQ_LEN, pad_id=0, pack=True,
+                              moe_shape=(CONFIG.n_moe_layers, CONFIG.top_k))
+    full, twelve = batch(16), batch(12)
+    assert full.unpack is None and full.tokens.shape == (ROWS, SEQ_LEN)
+    assert int(np.sum(full.segment_ids > 0)) == 16 * SEQ_LEN
+    assert twelve.unpack is not None and twelve.tokens.shape == (6, 2 * SEQ_LEN)
+
+
 def _loss_and_grads(old_params, params, batch, loss_name, replay, fused):
     loss_config = paper_loss_config(loss_name)
     loss_config.vocab_size = CONFIG.vocab_size
