@@ -40,7 +40,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "small"  # one of espo_jax.models.config.PRESETS
-    c.model.dispatch = "dropless"  # MoE dispatch, one of DISPATCHES
+    c.model.dispatch = "dropless_loop"  # MoE dispatch, one of DISPATCHES
     c.model.hf_path = ""  # initial weights and config: a Hugging Face directory or a .gguf file
     c.model.rope_theta = 0.0  # RoPE base; 0 keeps the preset's (Qwen3's 1e6)
     c.model.aux_loss_coef = -1.0  # load-balancing loss weight; < 0 keeps the preset's (1e-3)

@@ -40,7 +40,7 @@ class ModelConfig:
     z_loss_coef: float = 0.0  # weight of the router z-loss in `aux_loss`
     dtype: str = "float32"  # compute dtype of matmuls (norms, router, softmax stay fp32)
     param_dtype: str = "float32"
-    dispatch: str = "dropless"  # see DISPATCHES and espo_jax/models/moe.py
+    dispatch: str = "dropless_loop"  # see DISPATCHES and espo_jax/models/moe.py
     capacity_factor: float = 1.25  # only for dispatch == "capacity"
     init_std: float = 0.02  # normal init of kernels and embeddings (HF initializer_range)
     remat: bool = False  # recompute each block's activations in the backward pass (memory)
@@ -134,10 +134,9 @@ class ModelConfig:
 
     def forward_only(self) -> ModelConfig:
         """This model for passes without a gradient (the learner's old-policy and reference
-        passes): the dropless dispatch looped expert by expert, each expert's weights read
-        once. The same outputs bit for bit (tests/models/test_model.py); the gathered layout
-        copies the weights into [blocks, D, F], which its gradient wants and a forward alone
-        does not (`espo_jax/models/moe.py` has the measured times)."""
+        passes): a gathered dropless dispatch ("dropless") becomes the looped one, which reads
+        each expert's weights once instead of copying them into [blocks, D, F]. The same
+        outputs bit for bit (tests/models/test_model.py; times in `espo_jax/models/moe.py`)."""
         return self.replace(dispatch="dropless_loop") if self.dispatch == "dropless" else self
 
     @classmethod

@@ -4,32 +4,30 @@ experts, and the auxiliary losses, each a separate function; `MoeBlock` wires th
 Token-level arrays are flattened: N = B*T tokens, A = N*k (token, expert) assignments.
 
 Dispatch implementations (`ModelConfig.dispatch`):
-- "dropless" (default): sort the assignments by expert, pad each expert's group to a multiple
-  of a block of rows, and run one batched matmul over the blocks with each block's expert
-  weights gathered. Every token reaches exactly its top-k experts (as Hugging Face and vLLM
-  compute it); static shapes (A + E*(block-1) rows at most); the fastest exact dispatch
-  measured on CPU.
-- "dropless_loop": the same exact top-k, computed expert by expert: a loop over the experts
-  reads each expert's weights once and runs its rows (expert-sorted, unpadded) through them in
-  windows of a few rows, as many windows as that expert has rows (a dynamic trip count). No
-  [blocks, D, F] weight copies and no padding blocks; the same outputs bit for bit. Its
-  gradient is the gathered layout's (a custom VJP). The rollout engine's dispatch
-  (`rollout.decode.engine_params`) and the learner's passes without a gradient
-  (`ModelConfig.forward_only`). The MoE layer alone on the GRPO peers model (8 experts of
-  256, top-2; 2-core Intel Xeon, 2026-12-04): 0.37 / 0.98 / 3.35 ms at 64 / 256 / 1024
-  tokens, against 0.55 / 1.35 / 4.24 ms for a `lax.map` over the padded blocks (its previous
-  form) and 1.03 / 2.16 / 5.64 ms gathered.
+- "dropless_loop" (default): exact top-k, computed expert by expert. The assignments are
+  sorted by expert; a loop over the experts reads each expert's weights once and runs its rows
+  through them in windows of a few rows, as many windows as that expert has rows (a dynamic
+  trip count, so no padding blocks are computed and no [blocks, D, F] weight copies made).
+  Every token reaches exactly its top-k experts (as Hugging Face and vLLM compute it). Loops
+  with dynamic trip counts have no reverse mode: the backward is the same loops written by
+  hand (a custom VJP). The fastest exact dispatch measured on CPU (2-core Intel Xeon,
+  2026-12-04, the GRPO peers model's layer: 8 experts of 256, top-2): forward 0.37 / 0.98 /
+  3.35 ms at 64 / 256 / 1024 tokens (gathered: 1.03 / 2.16 / 5.64); forward + backward at
+  4096 tokens 46 ms (gathered 56), the peers train step 310 ms (gathered 368).
+- "dropless": the same assignments, each expert's group padded to a multiple of a block of
+  rows, one batched matmul over the blocks with each block's expert weights gathered: static
+  shapes (A + E*(block-1) rows at most), plain autodiff; the same outputs bit for bit.
 - "capacity": each expert takes at most C = ceil(A/E * capacity_factor) assignments, the rest
   are dropped (their contribution is zero) and counted in `moe/dropped_frac`.
 - "ragged": `jax.lax.ragged_dot` grouped matmul (exact; fast on GPU/TPU, slow on CPU).
 - "dense": every expert on every token, weighted by the sparse gates (exact; E/k times the
   compute; a reference).
 
-Measured on this project's 2-core CPU (preset `small`: 16 experts top-2, 16 x 128 tokens,
-jitted fp32 AdamW train step, CPU-seconds per step, medians of variants run round-robin):
-dropless 0.64, capacity 1.25 0.53 (drops tokens), capacity 2.0 0.63, dense 1.98, ragged 2.64;
-a dense-MLP model with the same active FLOPs 0.45. Dropless block sizes (16 experts, d_expert
-128): 16 rows 0.70, 32 0.55, 64 0.50, 128 0.52.
+Measured before the looped layout (2-core AMD EPYC; preset `small`: 16 experts top-2, 16 x 128
+tokens, jitted fp32 AdamW train step, CPU-seconds per step, medians of variants run
+round-robin): dropless 0.64, capacity 1.25 0.53 (drops tokens), capacity 2.0 0.63, dense 1.98,
+ragged 2.64; a dense-MLP model with the same active FLOPs 0.45. Dropless block sizes (16
+experts, d_expert 128): 16 rows 0.70, 32 0.55, 64 0.50, 128 0.52.
 """
 
 from __future__ import annotations
@@ -162,69 +160,117 @@ def block_size(n_assignments: int, n_experts: int) -> int:
 
 
 def window_size(n_assignments: int, n_experts: int) -> int:
-    """Rows per window of the looped dropless dispatch: ~ an eighth of an expert's mean load,
-    a power of two in [16, 128] (at 64-1024 tokens of the peers model 16-32 were fastest)."""
-    target = max(1, n_assignments // (8 * n_experts))
-    return int(min(128, max(16, 2 ** round(math.log2(target)))))
+    """Rows per window of the looped dropless dispatch: ~ a quarter of an expert's mean load,
+    a power of two in [16, 256] (peers model: 16 at 64 tokens, 256 at 4096 were fastest)."""
+    target = max(1, n_assignments // (4 * n_experts))
+    return int(min(256, max(16, 2 ** round(math.log2(target)))))
 
 
-def _expert_windows(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, window: int):
-    """The exact top-k MoE expert by expert (the forward of `dropless_dispatch(loop=True)`)."""
+def _windows(xs_PxD, starts_E, counts_E, w, window: int, save: bool):
+    """SwiGLU of each expert's rows of the expert-sorted `xs_PxD` (expert i's at starts_E[i],
+    counts_E[i] of them; P = rows + one window of zeros), in windows of `window` rows: a loop
+    over the experts reads each expert's weights once; each runs as many windows as it has
+    rows. Returns the outputs, and with `save` also the gate and up projections."""
+    wg_ExDxF, wu_ExDxF, wo_ExFxD = w
+    f = wg_ExDxF.shape[-1]
+    zeros_PxF = jnp.zeros((xs_PxD.shape[0], f), xs_PxD.dtype)
+    init = (jnp.zeros_like(xs_PxD),) + ((zeros_PxF, zeros_PxF) if save else ())
+
+    def expert(i, bufs):
+        wg, wu, wo = wg_ExDxF[i], wu_ExDxF[i], wo_ExFxD[i]  # read once per expert
+
+        def rows(j, bufs):
+            lo = starts_E[i] + j * window
+            x = jax.lax.dynamic_slice_in_dim(xs_PxD, lo, window)
+            g, u = jnp.dot(x, wg), jnp.dot(x, wu)
+            # rows past this expert's count belong to the next expert: keep what they hold
+            mine = (j * window + jnp.arange(window) < counts_E[i])[:, None]
+            put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(
+                buf, jnp.where(mine, v, jax.lax.dynamic_slice_in_dim(buf, lo, window)), lo, 0)
+            out = (put(bufs[0], jnp.dot(nn.silu(g) * u, wo)),)
+            return out + ((put(bufs[1], g), put(bufs[2], u)) if save else ())
+
+        return jax.lax.fori_loop(0, (counts_E[i] + window - 1) // window, rows, bufs)
+
+    return jax.lax.fori_loop(0, wg_ExDxF.shape[0], expert, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expert_rows(xs_PxD, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD):
+    return _windows(xs_PxD, starts_E, counts_E, (wg_ExDxF, wu_ExDxF, wo_ExFxD), window,
+                    save=False)[0]
+
+
+def _expert_rows_fwd(xs_PxD, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD):
+    w = (wg_ExDxF, wu_ExDxF, wo_ExFxD)
+    ys, g_PxF, u_PxF = _windows(xs_PxD, starts_E, counts_E, w, window, save=True)
+    return ys, (xs_PxD, starts_E, counts_E, w, g_PxF, u_PxF)
+
+
+def _expert_rows_bwd(window, residuals, dys_PxD):
+    """The same loops backwards by hand (loops with dynamic trip counts have no reverse mode):
+    per window, the SwiGLU's input gradient and the expert's weight gradients (summed over its
+    windows); rows of other experts get a zero output gradient."""
+    xs_PxD, starts_E, counts_E, (wg_ExDxF, wu_ExDxF, wo_ExFxD), g_PxF, u_PxF = residuals
+
+    def expert(i, grads):
+        dxs, dwg_E, dwu_E, dwo_E = grads
+        wgT, wuT, woT = wg_ExDxF[i].T, wu_ExDxF[i].T, wo_ExFxD[i].T  # once per expert
+
+        def rows(j, acc):
+            dxs, dwg, dwu, dwo = acc
+            lo = starts_E[i] + j * window
+            mine = (j * window + jnp.arange(window) < counts_E[i])[:, None]
+            sl = lambda buf: jax.lax.dynamic_slice_in_dim(buf, lo, window)
+            x, g, u = sl(xs_PxD), sl(g_PxF), sl(u_PxF)
+            dy = jnp.where(mine, sl(dys_PxD), 0)
+            sig = jax.nn.sigmoid(g)
+            silu = g * sig
+            dh = jnp.dot(dy, woT)
+            du = dh * silu
+            dg = dh * u * (sig * (1 + g * (1 - sig)))
+            dx = jnp.dot(dg, wgT) + jnp.dot(du, wuT)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, jnp.where(mine, dx, sl(dxs)), lo, 0)
+            return (dxs, dwg + jnp.dot(x.T, dg), dwu + jnp.dot(x.T, du),
+                    dwo + jnp.dot((silu * u).T, dy))
+
+        zero = tuple(jnp.zeros_like(w[0]) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD))
+        dxs, dwg, dwu, dwo = jax.lax.fori_loop(
+            0, (counts_E[i] + window - 1) // window, rows, (dxs,) + zero)
+        return dxs, dwg_E.at[i].set(dwg), dwu_E.at[i].set(dwu), dwo_E.at[i].set(dwo)
+
+    init = (jnp.zeros_like(xs_PxD), jnp.zeros_like(wg_ExDxF), jnp.zeros_like(wu_ExDxF),
+            jnp.zeros_like(wo_ExFxD))
+    dxs, dwg, dwu, dwo = jax.lax.fori_loop(0, wg_ExDxF.shape[0], expert, init)
+    return dxs, None, None, dwg, dwu, dwo
+
+
+_expert_rows.defvjp(_expert_rows_fwd, _expert_rows_bwd)
+
+
+def looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
+                    window: int | None = None) -> jax.Array:
+    """Exact top-k MoE expert by expert, in windows of `window` rows (default `window_size`):
+    see "dropless_loop" in the module docstring."""
     n, k = idx_Nxk.shape
     e, a = wg_ExDxF.shape[0], n * k
+    window = window or window_size(a, e)
     order_A, _, _, counts_E = _sort_by_expert(idx_Nxk.reshape(a), e)
     starts_E = jnp.cumsum(counts_E) - counts_E
     # expert-sorted rows, then one window of zeros so that every window slice stays in bounds
     xs = jnp.concatenate([x_NxD[order_A // k], jnp.zeros((window, x_NxD.shape[-1]), x_NxD.dtype)])
-
-    def expert(i, y):
-        w_i = tuple(w[i][None] for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD))  # read once per expert
-
-        def rows(j, y):
-            lo = starts_E[i] + j * window
-            out = expert_ffn(jax.lax.dynamic_slice_in_dim(xs, lo, window)[None], *w_i)[0]
-            # rows past this expert's count belong to the next expert: keep what they hold
-            mine = j * window + jnp.arange(window) < counts_E[i]
-            kept = jnp.where(mine[:, None], out, jax.lax.dynamic_slice_in_dim(y, lo, window))
-            return jax.lax.dynamic_update_slice_in_dim(y, kept, lo, 0)
-
-        return jax.lax.fori_loop(0, (counts_E[i] + window - 1) // window, rows, y)
-
-    y = jax.lax.fori_loop(0, e, expert, jnp.zeros_like(xs))
+    ys = _expert_rows(xs, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD)
     dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32))
-    return _combine(y[:a], dest_A, weights_Nxk)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _looped_dropless(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, window):
-    return _expert_windows(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, window)
-
-
-def _looped_fwd(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, window):
-    out = _expert_windows(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, window)
-    return out, (x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD)
-
-
-def _looped_bwd(window, residuals, dy_NxD):
-    """The gathered layout's gradient (the loop's dynamic trip counts have no reverse mode)."""
-    x_NxD, idx_Nxk, *rest = residuals
-    gathered = lambda x, g, wg, wu, wo: dropless_dispatch(x, idx_Nxk, g, wg, wu, wo)
-    dx, dg, dwg, dwu, dwo = jax.vjp(gathered, x_NxD, *rest)[1](dy_NxD)
-    return dx, None, dg, dwg, dwu, dwo
-
-
-_looped_dropless.defvjp(_looped_fwd, _looped_bwd)
+    return _combine(ys[:a], dest_A, weights_Nxk)
 
 
 def dropless_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
                       block: int | None = None, loop: bool = False) -> jax.Array:
     """Exact top-k MoE with static shapes: expert groups padded to `block` rows. `loop`: expert
-    by expert in windows of `block` rows (default `window_size`) instead (the same forward bit
-    for bit, the same gradient; see the module docstring)."""
+    by expert in windows of `block` rows (default `window_size`) instead (`looped_dispatch`:
+    the same forward bit for bit, gradients equal up to float summation order)."""
     if loop:
-        window = block or window_size(idx_Nxk.size, wg_ExDxF.shape[0])
-        return _looped_dropless(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
-                                window)
+        return looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, block)
     n, k = idx_Nxk.shape
     e = wg_ExDxF.shape[0]
     a = n * k

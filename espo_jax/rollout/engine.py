@@ -25,7 +25,7 @@ Precision: "fp32", "bf16" (compute and weights), or "fp8" (E4M3 weights with per
 from `espo_jax.models.quant`; router and LM head stay fp32). FP8 weights are dequantised once per
 `load_params` (the values every forward would compute; `fp8_storage=True` keeps them as E4M3 and
 dequantises in every forward instead, a quarter of the weight memory). MoE dispatch
-is always exact (a "capacity" config is switched to "dropless": dropping tokens would make a
+is always exact (a "capacity" config is switched to "dropless_loop": dropping tokens would make a
 sample depend on its batch neighbours). The jit-compiled pieces are in
 `espo_jax.rollout.decode`, the continuous-batching driver in `espo_jax.rollout.batching`; this
 module holds the `Engine`.

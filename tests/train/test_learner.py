@@ -384,21 +384,22 @@ def test_single_minibatch_update_fuses_the_old_policy_pass(learner_setup):
 
 
 def test_old_policy_pass_runs_the_forward_only_dispatch(learner_setup):
-    """The passes without a gradient loop over the dropless blocks instead of copying each
-    block's expert weights (`ModelConfig.forward_only`): the old log-probs, entropies and
+    """The passes without a gradient run the looped dropless dispatch (the default, and what
+    `ModelConfig.forward_only` makes of the gathered one): the old log-probs, entropies and
     metrics are the gathered dispatch's, bit for bit."""
     import functools
 
     from espo_jax.train import step as step_lib
 
     learner, params, _, generated = learner_setup
-    assert learner.model_config.dispatch == "dropless"
-    assert learner.model_config.forward_only().dispatch == "dropless_loop"
+    assert learner.model_config.dispatch == "dropless_loop"
+    assert learner.model_config.replace(dispatch="dropless").forward_only().dispatch == (
+        "dropless_loop")
     groups = _groups(generated, [[1.0, 0.0], [1.0, 1.0]], logp_shift=0.05)
     batch = jax.device_put(learner.minibatches(*groups)[0], learner.batch_sharding)
     looped, m_looped = learner._old_pass(params, batch)
     gathered, m_gathered = jax.jit(functools.partial(
-        step_lib.old_policy_pass, model_config=learner.model_config,
+        step_lib.old_policy_pass, model_config=learner.model_config.replace(dispatch="dropless"),
         replay=learner.config.train.replay, chunk_size=learner.config.train.logprob_chunk),
         compiler_options=step_lib.compiler_options())(params, batch)
     np.testing.assert_array_equal(looped.old_logp, gathered.old_logp)
