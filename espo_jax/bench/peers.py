@@ -193,7 +193,7 @@ def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[in
     """A blocking generate() of GEN_SEQS samples x GEN_NEW tokens (one sample per prompt)."""
     engine = Engine(model_config, params, sampling=SamplingConfig(
         temperature=1.0, max_new_tokens=GEN_NEW), max_slots=len(prompts),
-        steps_per_sync=8, prefill_rows=min(16, len(prompts)),
+        steps_per_sync=8, prefill_rows=len(prompts),  # one prefill of all, as HF generate
         max_cache_len=PROMPT_LEN + GEN_NEW, precision="fp32")
     requests = [Request(prompt_id=str(i), tokens=p, n_samples=1) for i, p in enumerate(prompts)]
     calls = [0]
