@@ -302,6 +302,26 @@ def test_looped_dropless_gradients_equal_the_gathered(moe_inputs):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_looped_dropless_gradients_with_idle_experts_and_long_groups(moe_inputs):
+    """All 37 tokens routed to experts 0-2 of 6 (experts 3-5 idle, each busy expert 37 rows:
+    several windows of 8 and of 16, the last one partly the next expert's): the hand-written
+    backward gives the gathered layout's gradients, zero for the idle experts' weights."""
+    x, _, gates, w = moe_inputs
+    idx = jnp.tile(jnp.array([[2, 0, 1]], jnp.int32), (37, 1))
+
+    def loss(loop, block, x, gates, w):
+        y = moe.dropless_dispatch(x, idx, gates, *w, block=block, loop=loop)
+        return jnp.sum(jnp.sin(y))
+
+    want = jax.jit(jax.grad(functools.partial(loss, False, 8), argnums=(0, 1, 2)))(x, gates, w)
+    for window in (8, 16):
+        got = jax.jit(jax.grad(functools.partial(loss, True, window), argnums=(0, 1, 2)))(
+            x, gates, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        assert all(float(jnp.max(jnp.abs(g[3:]))) == 0.0 for g in got[2])
+
+
 def test_looped_dropless_forward_is_the_gathered_bit_for_bit(moe_inputs):
     """`ModelConfig.forward_only` swaps the gathered dropless layout for the looped one in
     passes without a gradient: the outputs must not change at all, only the weight copies."""
