@@ -135,7 +135,7 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
     # gets a uniform, finite distribution instead of NaN; its output is never used.
     scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    if q_BxTxKxGxA.shape[1] == 1:
+    if t == 1:
         # A decode step: the weighted sum of values as a broadcast product summed over the
         # keys (a fused loop) rather than B*K matrix-vector products plus a transpose, which
         # XLA:CPU runs slowly (a 64-slot decode step of the peers model: 4.18 -> 3.56 ms).

@@ -166,31 +166,46 @@ def window_size(n_assignments: int, n_experts: int) -> int:
     return int(min(256, max(16, 2 ** round(math.log2(target)))))
 
 
+def _expert_windows(starts_E, counts_E, window: int, i, per_window, carry):
+    """`per_window(lo, mine, carry)` over expert i's windows of the expert-sorted rows: `lo` the
+    window's first row, `mine` [window, 1] True on the rows that are expert i's (the last
+    window's tail belongs to the next expert)."""
+    def rows(j, carry):
+        mine = (j * window + jnp.arange(window) < counts_E[i])[:, None]
+        return per_window(starts_E[i] + j * window, mine, carry)
+
+    return jax.lax.fori_loop(0, (counts_E[i] + window - 1) // window, rows, carry)
+
+
+def _put_rows(buf, rows_RxD, lo, mine):
+    """`buf` with its rows [lo, lo + R) set to `rows_RxD` where `mine`, kept elsewhere."""
+    r = rows_RxD.shape[0]
+    kept = jnp.where(mine, rows_RxD, jax.lax.dynamic_slice_in_dim(buf, lo, r))
+    return jax.lax.dynamic_update_slice_in_dim(buf, kept, lo, 0)
+
+
 def _windows(xs_PxD, starts_E, counts_E, w, window: int, save: bool):
     """SwiGLU of each expert's rows of the expert-sorted `xs_PxD` (expert i's at starts_E[i],
     counts_E[i] of them; P = rows + one window of zeros), in windows of `window` rows: a loop
     over the experts reads each expert's weights once; each runs as many windows as it has
     rows. Returns the outputs, and with `save` also the gate and up projections."""
     wg_ExDxF, wu_ExDxF, wo_ExFxD = w
-    f = wg_ExDxF.shape[-1]
-    zeros_PxF = jnp.zeros((xs_PxD.shape[0], f), xs_PxD.dtype)
-    init = (jnp.zeros_like(xs_PxD),) + ((zeros_PxF, zeros_PxF) if save else ())
+    init = (jnp.zeros_like(xs_PxD),)
+    if save:
+        zeros_PxF = jnp.zeros((xs_PxD.shape[0], wg_ExDxF.shape[-1]), xs_PxD.dtype)
+        init += (zeros_PxF, zeros_PxF)
 
     def expert(i, bufs):
         wg, wu, wo = wg_ExDxF[i], wu_ExDxF[i], wo_ExFxD[i]  # read once per expert
 
-        def rows(j, bufs):
-            lo = starts_E[i] + j * window
+        def per_window(lo, mine, bufs):
             x = jax.lax.dynamic_slice_in_dim(xs_PxD, lo, window)
             g, u = jnp.dot(x, wg), jnp.dot(x, wu)
-            # rows past this expert's count belong to the next expert: keep what they hold
-            mine = (j * window + jnp.arange(window) < counts_E[i])[:, None]
-            put = lambda buf, v: jax.lax.dynamic_update_slice_in_dim(
-                buf, jnp.where(mine, v, jax.lax.dynamic_slice_in_dim(buf, lo, window)), lo, 0)
-            out = (put(bufs[0], jnp.dot(nn.silu(g) * u, wo)),)
-            return out + ((put(bufs[1], g), put(bufs[2], u)) if save else ())
+            out = (_put_rows(bufs[0], jnp.dot(nn.silu(g) * u, wo), lo, mine),)
+            return out + ((_put_rows(bufs[1], g, lo, mine),
+                           _put_rows(bufs[2], u, lo, mine)) if save else ())
 
-        return jax.lax.fori_loop(0, (counts_E[i] + window - 1) // window, rows, bufs)
+        return _expert_windows(starts_E, counts_E, window, i, per_window, bufs)
 
     return jax.lax.fori_loop(0, wg_ExDxF.shape[0], expert, init)
 
@@ -217,10 +232,8 @@ def _expert_rows_bwd(window, residuals, dys_PxD):
         dxs, dwg_E, dwu_E, dwo_E = grads
         wgT, wuT, woT = wg_ExDxF[i].T, wu_ExDxF[i].T, wo_ExFxD[i].T  # once per expert
 
-        def rows(j, acc):
+        def per_window(lo, mine, acc):
             dxs, dwg, dwu, dwo = acc
-            lo = starts_E[i] + j * window
-            mine = (j * window + jnp.arange(window) < counts_E[i])[:, None]
             sl = lambda buf: jax.lax.dynamic_slice_in_dim(buf, lo, window)
             x, g, u = sl(xs_PxD), sl(g_PxF), sl(u_PxF)
             dy = jnp.where(mine, sl(dys_PxD), 0)
@@ -230,13 +243,12 @@ def _expert_rows_bwd(window, residuals, dys_PxD):
             du = dh * silu
             dg = dh * u * (sig * (1 + g * (1 - sig)))
             dx = jnp.dot(dg, wgT) + jnp.dot(du, wuT)
-            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, jnp.where(mine, dx, sl(dxs)), lo, 0)
-            return (dxs, dwg + jnp.dot(x.T, dg), dwu + jnp.dot(x.T, du),
+            return (_put_rows(dxs, dx, lo, mine), dwg + jnp.dot(x.T, dg), dwu + jnp.dot(x.T, du),
                     dwo + jnp.dot((silu * u).T, dy))
 
         zero = tuple(jnp.zeros_like(w[0]) for w in (wg_ExDxF, wu_ExDxF, wo_ExFxD))
-        dxs, dwg, dwu, dwo = jax.lax.fori_loop(
-            0, (counts_E[i] + window - 1) // window, rows, (dxs,) + zero)
+        dxs, dwg, dwu, dwo = _expert_windows(starts_E, counts_E, window, i, per_window,
+                                             (dxs,) + zero)
         return dxs, dwg_E.at[i].set(dwg), dwu_E.at[i].set(dwu), dwo_E.at[i].set(dwo)
 
     init = (jnp.zeros_like(xs_PxD), jnp.zeros_like(wg_ExDxF), jnp.zeros_like(wu_ExDxF),
