@@ -14,6 +14,7 @@ from espo_jax.models import (
     get_preset,
     init_cache,
     init_params,
+    layers,
     lm_head_kernel,
     moe,
 )
@@ -396,6 +397,34 @@ def _packed_rows():
     return segments, positions
 
 
+def test_softmax_attention_backward_equals_autodiff_of_the_plain_formula(jit):
+    """The hand-written attention backward against jax.grad of softmax(masked q.k / sqrt(A)) v
+    written out, on the learner's layouts (three sequences packed in a row, a padded tail; a
+    left-padded row): padding queries see no key and get a uniform distribution in both."""
+    segments, positions = _packed_rows()
+    b, t, kv, g, a = segments.shape[0], segments.shape[1], 2, 3, 8
+    kq, kk, kv_, kw = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(kq, (b, kv, g * t, a))
+    k, v = jax.random.normal(kk, (b, kv, t, a)), jax.random.normal(kv_, (b, kv, t, a))
+    w = jax.random.normal(kw, (b, kv, g * t, a))
+    mask = ((positions[:, None, :] <= positions[:, :, None]) & (segments[:, None, :] > 0)
+            & (segments[:, None, :] == segments[:, :, None]))[:, None, None]
+
+    def plain(q, k, v):
+        s = jnp.einsum("bkqa,bksa->bkqs", q, k).reshape(b, kv, g, t, t) / math.sqrt(a)
+        p = jax.nn.softmax(jnp.where(mask, s, jnp.finfo(jnp.float32).min), axis=-1)
+        return jnp.einsum("bkqs,bksa->bkqa", p.reshape(b, kv, g * t, t), v)
+
+    hand = lambda q, k, v: layers.softmax_attention(q, k, v, mask, g, jnp.float32)
+    np.testing.assert_allclose(jit(hand)(q, k, v), jit(plain)(q, k, v), atol=1e-5)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * w)
+    want = jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
+    got = jit(jax.grad(loss(hand), argnums=(0, 1, 2)))(q, k, v)
+    for name, x, y in zip("qkv", got, want, strict=True):
+        assert float(jnp.max(jnp.abs(y))) > 0.1, name  # every input has a gradient
+        np.testing.assert_allclose(x, y, atol=2e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("blocks", [3, 4, 5])  # 12 tokens: blocks of 4, 3, and 3 x 3 + 0
 def test_causal_blocks_give_the_full_attention(params, tokens, jit, blocks):
     """Query blocks that read only the keys up to their own end: logits, routing and gradients
@@ -470,9 +499,10 @@ def test_chunked_attention_gives_the_same_gradients(params, tokens, jit):
 
 def test_chunked_attention_holds_one_chunk_of_scores(jit):
     """Gradient of a 1-layer model at T = 512 (4 heads): unchunked, the backward needs the
-    [B, H, T, T] fp32 scores and probabilities (4 MiB each per sequence); in chunks of 64 only
-    the chunk being recomputed (1/8 of them) is alive at once, so XLA's temporary memory falls
-    by at least 7/8 of 8 MiB (measured: 18.2 MB -> 5.9 MB)."""
+    [B, H, T, T] fp32 exponentiated scores (4 MiB per sequence; `softmax_attention` keeps no
+    probabilities besides them); in chunks of 64 only the chunk being recomputed (1/8 of them)
+    is alive at once, so XLA's temporary memory falls by at least 7/8 of 4 MiB (measured:
+    11.5 MB -> 4.9 MB)."""
     cfg = TINY.replace(n_layers=1, max_seq_len=512)
     p = jax.eval_shape(lambda r: init_params(cfg, r), jax.random.key(0))
     toks = jax.ShapeDtypeStruct((1, 512), jnp.int32)
@@ -486,4 +516,4 @@ def test_chunked_attention_holds_one_chunk_of_scores(jit):
     scores = 4 * 512 * 512 * 4
     full, part = temp_bytes(cfg), temp_bytes(cfg.replace(attention_chunk=64))
     assert full >= scores
-    assert full - part >= 2 * scores * 7 // 8, (full, part)
+    assert full - part >= scores * 7 // 8, (full, part)
