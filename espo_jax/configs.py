@@ -99,6 +99,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.steps_per_sync = 8  # decode steps per jitted call between host syncs (no effect
     # on a sample's tokens; larger: fewer syncs, more steps run past a sample's end)
     c.rollout.prefill_rows = 16  # prompts per prefill call (padded to one length per call)
+    # Slot groups of the embedded engine, each decoded by its own host thread (num_slots /
+    # engine_shards slots each): on a CPU one per core (XLA runs a decode step's small ops one
+    # after another); 1 on an accelerator.
+    c.rollout.engine_shards = 2
     c.rollout.reward_workers = 2  # reward pool workers (overlapped with decoding)
     c.rollout.reward_timeout_s = 5.0  # a reward call running longer counts as failed
     c.rollout.max_failed_reward_frac = 0.5  # a step with a larger share of responses whose reward
@@ -207,6 +211,7 @@ _BOUNDS = (
     *((key, 1, True, None) for key in (
         "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
         "rollout.num_slots", "rollout.steps_per_sync", "rollout.prefill_rows",
+        "rollout.engine_shards",
         "train.updates_per_batch", "train.micro_batches",
         "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
         "rollout.max_inflight_batches")),
@@ -421,6 +426,11 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
                 f"{config.mesh.fsdp}"
             )
+        if config.rollout.num_slots % config.rollout.engine_shards:
+            errors.append(
+                f"rollout.num_slots = {config.rollout.num_slots} not divisible by "
+                f"rollout.engine_shards = {config.rollout.engine_shards} (each shard holds "
+                "num_slots / engine_shards decode slots)")
         row = config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
         if config.train.pack and 0 < config.train.pack_len < row:
             errors.append(f"train.pack_len = {config.train.pack_len} is shorter than an RL row "

@@ -88,6 +88,7 @@ def get_config(arg: str | None = None):
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.num_slots = 256
+    c.rollout.engine_shards = 1  # one slot group: an accelerator runs a step's ops in parallel
     c.rollout.reward_workers = 16
     c.rollout.reward_timeout_s = 10.0
 

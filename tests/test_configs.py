@@ -88,6 +88,10 @@ def test_divisibility_messages_name_the_numbers():
             "2 * 3 * 1") in str(e.value)
     c.mesh.data = 2  # 2 * 2 = 4 divides 8
     configs.validate(c, n_devices=8)
+    c.rollout.engine_shards = 3  # the small config's 16 slots do not split in 3
+    with pytest.raises(ValueError, match=r"rollout.num_slots = 16 not divisible by "
+                                         r"rollout.engine_shards = 3"):
+        configs.validate(c, n_devices=8)
 
 
 def test_packing_refuses_micro_batches():

@@ -155,8 +155,10 @@ class EspoGrpo:
                                                                    self.state))
         self.engine = Engine(model_config, sampling=SamplingConfig(
             temperature=1.0, max_new_tokens=NEW_TOKENS), max_slots=PROMPTS * SAMPLES,
-            steps_per_sync=c.rollout.steps_per_sync, prefill_rows=PROMPTS,
-            max_cache_len=PROMPT_LEN + NEW_TOKENS, precision="fp32")
+            steps_per_sync=c.rollout.steps_per_sync,
+            prefill_rows=PROMPTS // c.rollout.engine_shards,  # one prefill call per shard
+            max_cache_len=PROMPT_LEN + NEW_TOKENS, precision="fp32",
+            shards=c.rollout.engine_shards)
         self.requests = [Request(prompt_id=str(i), tokens=p, n_samples=SAMPLES)
                          for i, p in enumerate(prompts)]
         self.steps = 0
@@ -191,10 +193,11 @@ class EspoGrpo:
 
 def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[int]]):
     """A blocking generate() of GEN_SEQS samples x GEN_NEW tokens (one sample per prompt)."""
+    shards = configs.default_config().rollout.engine_shards
     engine = Engine(model_config, params, sampling=SamplingConfig(
         temperature=1.0, max_new_tokens=GEN_NEW), max_slots=len(prompts),
-        steps_per_sync=8, prefill_rows=len(prompts),  # one prefill of all, as HF generate
-        max_cache_len=PROMPT_LEN + GEN_NEW, precision="fp32")
+        steps_per_sync=8, prefill_rows=len(prompts) // shards,  # one prefill call per shard
+        max_cache_len=PROMPT_LEN + GEN_NEW, precision="fp32", shards=shards)
     requests = [Request(prompt_id=str(i), tokens=p, n_samples=1) for i, p in enumerate(prompts)]
     calls = [0]
 

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from espo_jax import configs
 from espo_jax.bench import format_table, median_time
 from espo_jax.bench.model import jax_train_step, peak_matmul_flops, train_flops_per_token
 from espo_jax.bench.packing import espo_update, sequences
@@ -252,7 +253,7 @@ def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens
                                                             max_new_tokens=new_tokens),
                     max_slots=seqs, steps_per_sync=steps_per_sync,
                     prefill_rows=min(16, seqs), max_cache_len=prompt_len + new_tokens,
-                    precision="fp32")
+                    precision="fp32", shards=configs.default_config().rollout.engine_shards)
     rng = np.random.default_rng(1)
     requests = [Request(prompt_id=str(i), n_samples=1,
                         tokens=[int(t) for t in rng.integers(0, config.vocab_size, prompt_len)])

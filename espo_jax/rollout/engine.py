@@ -83,12 +83,16 @@ class Engine:
         max_stop_tokens: int = 8,
         prefill_rows: int = 16,
         fp8_storage: bool = False,
+        shards: int = 1,
     ):
-        if min(max_slots, steps_per_sync, prefill_rows) < 1:
+        if min(max_slots, steps_per_sync, prefill_rows, shards) < 1:
             raise ValueError(
-                f"max_slots ({max_slots}), steps_per_sync ({steps_per_sync}) and prefill_rows "
-                f"({prefill_rows}) must be >= 1"
+                f"max_slots ({max_slots}), steps_per_sync ({steps_per_sync}), prefill_rows "
+                f"({prefill_rows}) and shards ({shards}) must be >= 1"
             )
+        if max_slots % shards:
+            raise ValueError(f"max_slots ({max_slots}) must be a multiple of shards ({shards}): "
+                             f"each shard holds max_slots / shards decode slots")
         if max_cache_len < 2:
             raise ValueError(f"max_cache_len must be >= 2, got {max_cache_len}")
         sampling = SamplingConfig() if sampling is None else sampling
@@ -103,6 +107,11 @@ class Engine:
         # fp8: keep the weights as E4M3 (1 byte each, dequantised in every forward) instead of
         # dequantising them once per load (4 bytes each; same samples, faster here).
         self.fp8_storage = fp8_storage
+        # `generate_groups` over `shards` engines of max_slots / shards slots each, one host
+        # thread each (see `batching.generate_sharded`); the JetStream-shaped calls below act
+        # on this engine's own max_slots slots.
+        self.shards = shards
+        self._shard_engines: list[Engine] = []
         self.params: dict | None = None
         self.last_stats: dict[str, float] = {}
         self._stop = threading.Event()
@@ -237,5 +246,31 @@ class Engine:
     def generate_groups(self, requests: Sequence[Request], **kwargs) -> list[GenerationGroup]:
         """Samples every request's responses with continuous batching, groups in request order:
         `espo_jax.rollout.batching.generate_groups(self, requests, **kwargs)` (its arguments:
-        n_samples, rng, params, admission, predictor, on_group, stop, sampling)."""
-        return batching.generate_groups(self, requests, **kwargs)
+        n_samples, rng, params, admission, predictor, on_group, stop, sampling). With
+        `shards` > 1 the requests are split over that many engines of max_slots / shards slots,
+        each driven by its own thread (`batching.generate_sharded`): a sample then depends on
+        the request list and the shard count, still not on admission or timing."""
+        if self.shards == 1:
+            return batching.generate_groups(self, requests, **kwargs)
+        if kwargs.get("params") is None:
+            kwargs["params"] = self.params
+        if kwargs["params"] is None:
+            raise ValueError("Engine has no weights: pass params or call load_params first")
+        groups, self.last_stats = batching.generate_sharded(self._shards(), requests, **kwargs)
+        return groups
+
+    def _shards(self) -> list[Engine]:
+        """The shard engines (made once; they share this engine's weights at each call and
+        its stop request)."""
+        if not self._shard_engines:
+            for _ in range(self.shards):
+                shard = Engine(self.config, sampling=self.sampling,
+                               max_slots=self.max_slots // self.shards,
+                               max_cache_len=self.max_cache_len, precision=self.precision,
+                               steps_per_sync=self.steps_per_sync,
+                               min_prefill_len=self.min_prefill_len,
+                               max_stop_tokens=self.max_stop_tokens,
+                               prefill_rows=self.prefill_rows, fp8_storage=self.fp8_storage)
+                shard._stop = self._stop
+                self._shard_engines.append(shard)
+        return self._shard_engines

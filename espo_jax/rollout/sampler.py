@@ -51,10 +51,12 @@ class JaxSampler:
     if a published version changes the architecture), weights replaced in memory after that."""
 
     def __init__(self, sampling: SamplingConfig, *, precision: str = "fp32", max_slots: int = 8,
-                 max_cache_len: int = 256, steps_per_sync: int = 4, prefill_rows: int = 16):
+                 max_cache_len: int = 256, steps_per_sync: int = 4, prefill_rows: int = 16,
+                 shards: int = 1):
         self.sampling, self.precision = sampling, precision
         self._engine_args = dict(max_slots=max_slots, max_cache_len=max_cache_len,
-                                 steps_per_sync=steps_per_sync, prefill_rows=prefill_rows)
+                                 steps_per_sync=steps_per_sync, prefill_rows=prefill_rows,
+                                 shards=shards)
         self.engine: Engine | None = None
         self.model_config: ModelConfig | None = None
         self.n_experts: int | None = None

@@ -88,6 +88,7 @@ class WorkerConfig:
     max_cache_len: int = 256
     steps_per_sync: int = 4
     prefill_rows: int = 16
+    engine_shards: int = 1  # slot groups of the JAX engine, one host thread each
     admission: str = "longest_first"  # or "fifo"
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
@@ -143,7 +144,7 @@ class RolloutWorker:
         self.sampler = sampler or JaxSampler(
             c.sampling, precision=c.precision, max_slots=c.max_slots,
             max_cache_len=c.max_cache_len, steps_per_sync=c.steps_per_sync,
-            prefill_rows=c.prefill_rows)
+            prefill_rows=c.prefill_rows, shards=c.engine_shards)
         self.expected_model = expected_model
         self.model_config: ModelConfig | None = None  # of the loaded weights
         self.version: int | None = None
@@ -531,6 +532,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
         max_slots=r.num_slots,
         steps_per_sync=r.steps_per_sync,
         prefill_rows=r.prefill_rows,
+        engine_shards=r.engine_shards,
         max_cache_len=r.max_prompt_len + r.max_new_tokens,
         reward_workers=r.reward_workers,
         reward_timeout_s=r.reward_timeout_s,

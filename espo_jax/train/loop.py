@@ -43,7 +43,8 @@ def _engine(setup, precision: str) -> Engine:
     )
     return Engine(setup.model_config, sampling=sampling, max_slots=c.num_slots,
                   steps_per_sync=c.steps_per_sync, prefill_rows=c.prefill_rows,
-                  max_cache_len=c.max_prompt_len + c.max_new_tokens, precision=precision)
+                  max_cache_len=c.max_prompt_len + c.max_new_tokens, precision=precision,
+                  shards=c.engine_shards)
 
 
 def discard_unread(buffer_dir: str, cursor: dict | None) -> int:

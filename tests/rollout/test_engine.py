@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from espo_jax import models
-from espo_jax.rollout import decode, mismatch, scheduling
+from espo_jax.rollout import batching, decode, mismatch, scheduling
 from espo_jax.rollout import engine as engine_lib
 from espo_jax.rollout.decode import FREE
 from espo_jax.rollout.sampling import SamplingConfig
@@ -205,6 +205,52 @@ def test_samples_do_not_depend_on_slots_or_admission(engine, sampled_groups, par
         np.array_equal(a.responses[0].tokens, b.responses[0].tokens)
         for a, b in zip(sampled_groups, other, strict=True)
     )
+
+
+def test_shards_sample_what_one_engine_samples(sampled_groups, params):
+    # Two shards of SLOTS slots, each driven by its own thread: the requests split by token
+    # budget (3 x 12 each: p0, p2, p4 to one shard, p1, p3 to the other), each keeps its RNG
+    # stream, so every sample is the one-engine sample; groups in request order, their index
+    # the request's, on_group once per group.
+    sharded = engine_lib.Engine(CONFIG, params, sampling=SAMPLED, max_slots=2 * SLOTS,
+                                max_cache_len=CACHE, steps_per_sync=SYNC, shards=2)
+    assert batching.shard_requests(prompts(5), 2, 3, SAMPLED) == [[0, 2, 4], [1, 3]]
+    seen = []
+    groups = sharded.generate_groups(prompts(5), n_samples=3, rng=jax.random.key(1),
+                                     on_group=lambda g: seen.append(g.request_index))
+    assert [g.request_index for g in groups] == list(range(5)) and sorted(seen) == list(range(5))
+    assert [g.prompt_id for g in groups] == [f"p{i}" for i in range(5)]
+    for a, b in zip(sampled_groups, groups, strict=True):
+        for ra, rb in zip(a.responses, b.responses, strict=True):
+            np.testing.assert_array_equal(ra.tokens, rb.tokens)
+            np.testing.assert_allclose(ra.logprobs, rb.logprobs, atol=1e-5)
+    stats = sharded.last_stats
+    assert stats["engine/generated_tokens"] == 5 * 3 * 12
+    # 9 and 6 samples of 12 tokens on 4 slots each: 3 and 2 waves of 11 decode steps, 3 syncs
+    # of 4 steps per wave: the longer shard runs 9 syncs, 36 steps.
+    assert stats["engine/decode_steps"] == 36
+    with pytest.raises(ValueError, match=r"max_slots \(6\) must be a multiple of shards \(4\)"):
+        engine_lib.Engine(CONFIG, params, max_slots=6, shards=4)
+
+
+def test_a_failing_shard_stops_the_other(params):
+    sharded = engine_lib.Engine(CONFIG, params, sampling=SAMPLED, max_slots=2 * SLOTS,
+                                max_cache_len=CACHE, steps_per_sync=SYNC, shards=2)
+
+    def on_group(g):
+        if g.request_index == 0:
+            raise RuntimeError("scoring failed")
+
+    # Request 0 (12 tokens, shard 1: the longer budget goes first, to shard 0) is done long
+    # before request 1's 60-token samples would be: shard 0 stops at its next sync instead of
+    # finishing them.
+    requests = [engine_lib.Request("short", [5, 6], max_new_tokens=12),
+                engine_lib.Request("long", [7, 8], max_new_tokens=60)]
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        sharded.generate_groups(requests, n_samples=4, rng=jax.random.key(0), on_group=on_group)
+    long_shard = sharded._shards()[0]
+    assert long_shard.last_stats["engine/abandoned_samples"] == 4
+    assert long_shard.last_stats["engine/generated_tokens"] == 0
 
 
 def test_continuous_batching_refills_slots(engine):
