@@ -148,6 +148,10 @@ def default_config() -> ml_collections.ConfigDict:
     # (0: off; runs compared "at an equal budget of generated tokens" set it, steps is the cap)
     c.train.max_tokens = 0
     c.train.micro_batches = 1  # gradient accumulation inside one update
+    # An update's rows in this many parts (balanced by tokens, each packed on its own), their
+    # gradients computed at once, each by its own host thread, then one update (the same as
+    # one program on all rows; on a CPU one per core; 1 on an accelerator mesh).
+    c.train.grad_threads = 2
     # Sequence packing: the learner's forward runs on rows holding several sequences each (no
     # compute on padding; the losses see one row per sequence, `espo_jax.train.batch`).
     c.train.pack = True  # needs micro_batches == 1
@@ -212,7 +216,7 @@ _BOUNDS = (
         "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
         "rollout.num_slots", "rollout.steps_per_sync", "rollout.prefill_rows",
         "rollout.engine_shards",
-        "train.updates_per_batch", "train.micro_batches",
+        "train.updates_per_batch", "train.micro_batches", "train.grad_threads",
         "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
         "rollout.max_inflight_batches")),
     ("optim.lr", 0.0, False, None),
@@ -413,6 +417,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 errors.append(f"config.{key} has levels {bad} outside 1..{n_levels} (the levels "
                               f"of config.data.levels)")
     if not errors:
+        one_device = (config.mesh.data * config.mesh.fsdp * config.mesh.expert
+                      * config.mesh.tensor == 1)
         rows = config.rollout.prompts_per_step * config.zve.n_samples
         per_update = rows // config.train.updates_per_batch
         if rows % config.train.updates_per_batch:
@@ -426,6 +432,13 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
                 f"{config.mesh.fsdp}"
             )
+        elif one_device and per_update % (config.train.grad_threads
+                                          * config.train.micro_batches):
+            errors.append(
+                f"rows per update {per_update} not divisible by train.grad_threads * "
+                f"train.micro_batches = {config.train.grad_threads} * "
+                f"{config.train.micro_batches} (a one-device mesh splits each update's rows "
+                "into grad_threads parts)")
         if config.rollout.num_slots % config.rollout.engine_shards:
             errors.append(
                 f"rollout.num_slots = {config.rollout.num_slots} not divisible by "

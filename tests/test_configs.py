@@ -86,6 +86,13 @@ def test_divisibility_messages_name_the_numbers():
     # 8 rows over 2 micro-batches x 3 data shards (6) leave a remainder.
     assert ("rows per update 8 not divisible by train.micro_batches * mesh.data * mesh.fsdp = "
             "2 * 3 * 1") in str(e.value)
+    c.mesh.data = 1  # one device: the update's rows in 2 parts of 2 micro-batches
+    c.train.micro_batches = 8
+    with pytest.raises(ValueError, match=r"rows per update 8 not divisible by "
+                                         r"train.grad_threads \* train.micro_batches = 2 \* 8"):
+        configs.validate(c, n_devices=8)
+    c.train.micro_batches = 2
+    configs.validate(c, n_devices=8)
     c.mesh.data = 2  # 2 * 2 = 4 divides 8
     configs.validate(c, n_devices=8)
     c.rollout.engine_shards = 3  # the small config's 16 slots do not split in 3

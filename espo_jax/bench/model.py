@@ -26,6 +26,7 @@ import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -83,20 +84,48 @@ def jax_train_step(config: ModelConfig, opt: optax.GradientTransformation, param
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def _jax_stepper(config: ModelConfig, params: dict, tokens: np.ndarray) -> tuple[Any, dict]:
-    """A blocking `step()` of the jitted JAX train step, and facts of its first (compiling) call."""
+def _jax_stepper(config: ModelConfig, params: dict, tokens: np.ndarray,
+                 threads: int = 1) -> tuple[Any, dict]:
+    """A blocking `step()` of the jitted JAX train step, and facts of its first (compiling) call.
+
+    `threads` > 1: as the learner runs an update with `train.grad_threads`: the rows in that
+    many equal parts, their gradients computed at once, each by its own thread, then one AdamW
+    update with their mean (the same next-token loss: equal parts of a token mean; the router
+    aux loss is each part's own)."""
+    start = time.perf_counter()
     opt = optax.adamw(LEARNING_RATE)
-    step = jax.jit(functools.partial(jax_train_step, config, opt), donate_argnums=(0, 1),
-                   compiler_options=step_lib.compiler_options())  # the learner's XLA options
+    options = step_lib.compiler_options()  # the learner's XLA options
     state = {"params": jax.tree.map(jnp.array, params)}
     state["opt"] = opt.init(state["params"])
     tokens = jnp.asarray(tokens)
+    if threads == 1:
+        step = jax.jit(functools.partial(jax_train_step, config, opt), donate_argnums=(0, 1),
+                       compiler_options=options)
 
-    def run() -> float:
-        state["params"], state["opt"], loss = step(state["params"], state["opt"], tokens)
-        return float(loss)  # blocks until the step is done
+        def run() -> float:
+            state["params"], state["opt"], loss = step(state["params"], state["opt"], tokens)
+            return float(loss)  # blocks until the step is done
+    else:
+        grad = jax.jit(jax.value_and_grad(functools.partial(_jax_loss, config)),
+                       compiler_options=options)
 
-    start = time.perf_counter()
+        @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=options)
+        def apply(params, opt_state, parts):
+            loss = sum(p[0] for p in parts) / len(parts)
+            grads = jax.tree.map(lambda *g: sum(g) / len(g), *(p[1] for p in parts))
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        pool = ThreadPoolExecutor(threads)
+        row_parts = jnp.split(tokens, threads)
+        jax.block_until_ready(grad(state["params"], row_parts[0]))  # compiled here, not twice
+
+        def run() -> float:
+            p = state["params"]
+            parts = list(pool.map(lambda t: jax.block_until_ready(grad(p, t)), row_parts))
+            state["params"], state["opt"], loss = apply(p, state["opt"], parts)
+            return float(loss)
+
     loss0 = run()
     return run, {"loss0": loss0, "compile_s": time.perf_counter() - start}
 

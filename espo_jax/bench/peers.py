@@ -23,7 +23,10 @@ compile / first-call time reported apart:
     `Engine.generate_groups` against `model.generate(do_sample=True)` (`bench.engine`'s, on
     the weights exported back with `hf_io.save_pretrained`).
 (c) Train step: next-token cross-entropy + router aux loss, forward + backward + AdamW on
-    64 x 64 tokens: `jax.jit` step against the same in torch (`bench.model`'s steppers).
+    64 x 64 tokens, against the same in torch (`bench.model`'s steppers). espo_jax's as the
+    learner runs an update (`train.grad_threads` parts of the rows, their gradients at once on
+    as many threads, one AdamW update); one `jax.jit` program on all rows is timed beside it
+    (`jax_one_program_tokens_per_s`).
 
 Each prints achieved model FLOP/s (PaLM's 6N + 12LHAT per trained token, 2N + attention per
 generated token) against the peak of a jitted fp32 `jnp.dot` measured in the same process.
@@ -322,15 +325,20 @@ def run(quick: bool) -> dict:
         # (c) train step
         tokens = np.random.default_rng(2).integers(0, len(SYMBOLS), (TRAIN_B, TRAIN_T),
                                                    dtype=np.int32)
-        jax_step, jx = _jax_stepper(model_config, params, tokens)
+        threads = configs.default_config().train.grad_threads
+        jax_step, jx = _jax_stepper(model_config, params, tokens, threads=threads)
+        one_step, _ = _jax_stepper(model_config, params, tokens)
         torch_step, th = _torch_stepper(model_config, params, tokens)
-        jax_step(), torch_step()  # warm-up
-        train_s = interleaved_medians({"jax": jax_step, "torch": torch_step}, repeats)
+        jax_step(), one_step(), torch_step()  # warm-up
+        train_s = interleaved_medians({"jax": jax_step, "one": one_step, "torch": torch_step},
+                                      repeats)
         jax_s, torch_s = train_s["jax"], train_s["torch"]
         flops = train_flops_per_token(model_config, TRAIN_T) * TRAIN_B * TRAIN_T
         train = {"jax_tokens_per_s": TRAIN_B * TRAIN_T / jax_s,
                  "torch_tokens_per_s": TRAIN_B * TRAIN_T / torch_s,
                  "jax_flops_per_s": flops / jax_s, "torch_flops_per_s": flops / torch_s,
+                 "jax_grad_threads": threads,
+                 "jax_one_program_tokens_per_s": TRAIN_B * TRAIN_T / train_s["one"],
                  "jax_compile_s": jx["compile_s"], "jax_loss0": jx["loss0"],
                  "torch_loss0": th["loss0"], "torch_experts": th["experts_impl"],
                  "torch_attn": th["attn_impl"], "torch_threads": th["torch_threads"]}
@@ -355,6 +363,10 @@ def run(quick: bool) -> dict:
          [f"train step ({TRAIN_B} x {TRAIN_T} tokens, fwd + bwd + AdamW)",
           f"{tr['jax_tokens_per_s']:.0f} tok/s", f"torch {tr['torch_tokens_per_s']:.0f} tok/s",
           f"{tr['jax_over_torch']:.2f}x", f"{100 * tr['jax_flops_per_s'] / peak:.1f}%"]]))
+    print(f"train step as one jax.jit program: {tr['jax_one_program_tokens_per_s']:.0f} tok/s "
+          f"({tr['jax_one_program_tokens_per_s'] / tr['torch_tokens_per_s']:.2f}x torch); with "
+          f"{tr['jax_grad_threads']} gradient threads (the learner's): "
+          f"{tr['jax_tokens_per_s']:.0f}")
     print(f"first call (compile) espo_jax: GRPO step {g['espo_first_step_s']:.1f} s, generation "
           f"{ge['espo_first_call_s']:.1f} s, train step {tr['jax_compile_s']:.1f} s; TRL first "
           f"step {g['trl_first_step_s']:.2f} s. Step-0 loss JAX {tr['jax_loss0']:.5f} / torch "

@@ -10,6 +10,14 @@ forward gives the old log-probs (`step.rl_loss(fused=True)`; one forward of the 
 step). The update steps are jitted with explicit shardings
 and donation of the train state, and compiled ahead of time on their first inputs
 (`jit(...).lower(...).compile()`), logging XLA's memory report (`Learner.memory_report`).
+
+With `train.grad_threads` = n > 1 each update's rows are split into n parts balanced by tokens
+(each packed on its own), the parts' gradients computed at once, each by its own host thread
+(`step.rl_part_gradients`), and joined by their weights in one update (`step.rl_apply_parts`):
+the update of all the rows, as micro-batches give it. On a CPU, XLA runs many of a program's
+ops on one core at a time; two programs at once keep both cores busy (the default update on a
+2-core AMD EPYC: gradients 1012-1089 -> 850-900 ms). Only a one-device, one-process mesh
+splits its updates so; a larger mesh already runs each device's rows at once.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import ml_collections
@@ -27,7 +36,7 @@ from espo_jax import console, distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
 from espo_jax.rl.advantages import ADVANTAGES, overlong_penalty, zvp_signs
 from espo_jax.train import step as step_lib
-from espo_jax.train.batch import RLBatch, pack_sequences, rl_seq_len
+from espo_jax.train.batch import RLBatch, balance_rows, pack_sequences, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
 from espo_jax.zve.groups import require_scored
@@ -82,6 +91,13 @@ class Learner:
         self.mesh = mesh
         self.rows = config.rollout.prompts_per_step * config.zve.n_samples
         self.rows_per_update = self.rows // config.train.updates_per_batch
+        # Parts only where one process drives one device (module docstring): a larger mesh
+        # already runs each device's rows at once.
+        self.grad_threads = (config.train.grad_threads if mesh.devices.size == 1
+                             and jax.process_count() == 1 else 1)
+        self.rows_per_part = self.rows_per_update // self.grad_threads
+        self._pool = (ThreadPoolExecutor(self.grad_threads, thread_name_prefix="grad-part")
+                      if self.grad_threads > 1 else None)
         self.seq_len = rl_seq_len(config)
         self.n_data_shards = config.mesh.data * config.mesh.fsdp
         self.moe_shape = (
@@ -100,11 +116,11 @@ class Learner:
         # The passes without a gradient run the forward-only dispatch (the same outputs).
         frozen_kw = {**kw, "model_config": model_config.forward_only()}
         options = step_lib.compiler_options()
-        self._old_pass = self._under_rules(jax.jit(
+        self._old_pass = jax.jit(  # run through `_run_parts` (compiled under the rules)
             functools.partial(step_lib.old_policy_pass, **frozen_kw),
             in_shardings=(state_shardings.params, batch_shardings),
             out_shardings=None, compiler_options=options,
-        ))
+        )
         self.ref_params = None  # the KL penalty's reference policy (`set_reference`)
         self._anchor = None  # worked solutions of the supervised anchor (`set_anchor`)
         self._ref_pass = self._under_rules(jax.jit(
@@ -132,6 +148,24 @@ class Learner:
                 donate_argnums=(0,), compiler_options=options,
             )
             for fused in (False, True)
+        )
+        part_kw = {k: v for k, v in step_kw.items() if k != "anchor_coef"}
+        self._part_grads, self._fused_part_grads = (
+            jax.jit(
+                functools.partial(step_lib.rl_part_gradients, fused=fused, **part_kw),
+                in_shardings=(state_shardings.params, None),
+                out_shardings=(replicated, state_shardings.params, replicated, replicated),
+                compiler_options=options,
+            )
+            for fused in (False, True)
+        )
+        self._apply_parts = jax.jit(
+            functools.partial(step_lib.rl_apply_parts, model_config=model_config,
+                              chunk_size=config.train.logprob_chunk,
+                              anchor_coef=config.train.anchor_coef),
+            in_shardings=(state_shardings, None, None),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=(0,), compiler_options=options,
         )
         self._compiled: dict[tuple, object] = {}  # (name, model-side batch shape) -> executable
         self.memory_report: dict[str, dict[str, int]] = {}  # per compiled update step
@@ -175,12 +209,12 @@ class Learner:
 
         return call
 
-    def _run_compiled(self, name: str, fn, *args):
-        """`fn(*args)` through its ahead-of-time executable, compiled (and its memory report
-        logged) on the first call with the batch's model-side shape, traced under the
-        logical-axis rules; unpacked batches keep one shape (one compile), packed ones a few
-        (`batch.PACK_BUCKETS`). `memory_report[name]` is that of the latest shape compiled."""
-        key = (name, args[1].tokens.shape)
+    def _executable(self, name: str, fn, *args):
+        """`fn`'s ahead-of-time executable for `args`, compiled (and its memory report logged)
+        on the first call with the shapes of `args[1]` (the batch, or an update's parts), traced
+        under the logical-axis rules; unpacked batches keep one shape (one compile), packed ones
+        a few (`batch.PACK_BUCKETS`). `memory_report[name]` is that of the latest shape compiled."""
+        key = (name, tuple(np.shape(x) for x in jax.tree.leaves(args[1])))
         exe = self._compiled.get(key)
         if exe is None:
             start = time.time()
@@ -188,15 +222,31 @@ class Learner:
                 exe = fn.lower(*args).compile()
             self._compiled[key] = exe
             self.memory_report[name] = report = memory_report(exe)
-            logging.info("compiled %s for %s rows x %s tokens in %.1f s; memory (bytes): %s", name,
-                         *key[1], time.time() - start, report or "not reported by this backend",
+            shape = args[1].tokens.shape if isinstance(args[1], RLBatch) else "its parts"
+            logging.info("compiled %s for %s in %.1f s; memory (bytes): %s", name, shape,
+                         time.time() - start, report or "not reported by this backend",
                          extra=console.FILE_ONLY)
-        return exe(*args)
+        return exe
+
+    def _run_compiled(self, name: str, fn, *args):
+        """`fn(*args)` through its ahead-of-time executable (`_executable`)."""
+        return self._executable(name, fn, *args)(*args)
+
+    def _run_parts(self, name: str, fn, head, parts: Sequence[RLBatch]) -> list:
+        """`fn(head, part)` for every part: at once, each on its own thread (waiting for its
+        result there), when there are several. Compiled first, here: threads never compile."""
+        exes = [self._executable(name, fn, head, p) for p in parts]
+        if self._pool is None:
+            return [exe(head, p) for exe, p in zip(exes, parts, strict=True)]
+        run = lambda exe, p: jax.block_until_ready(exe(head, p))  # noqa: E731
+        futures = [self._pool.submit(run, exe, p) for exe, p in zip(exes, parts, strict=True)]
+        return [f.result() for f in futures]
 
     def _example_batch(self) -> RLBatch:
         return self.pack([], [], [], [], np.zeros(0), np.zeros(0))
 
-    def pack(self, prompts, responses, blogps, routings, adv, signs) -> RLBatch:
+    def pack(self, prompts, responses, blogps, routings, adv, signs,
+             rows: int | None = None) -> RLBatch:
         return pack_sequences(
             prompts,
             responses,
@@ -204,7 +254,7 @@ class Learner:
             routings,
             adv,
             signs,
-            rows=self.rows_per_update,
+            rows=rows or self.rows_per_update,
             seq_len=self.seq_len,
             pad_id=0,
             n_shards=self.n_data_shards,
@@ -213,11 +263,11 @@ class Learner:
             pack_len=self.config.train.pack_len,
         )
 
-    def minibatches(self, groups: Sequence[RolloutGroup],
-                    rewards: Sequence[np.ndarray]) -> list[RLBatch]:
-        """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`
-        (advantages from `rewards`, one float32 array per group; with
-        `advantage.overlong_buffer` > 0 DAPO's overlong penalty is added to them first)."""
+    def _chunks(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray]):
+        """Each minibatch's responses as (pairs of prompt and response, advantages, RL-ZVP
+        signs), `rows_per_update` responses at a time (advantages from `rewards`, one float32
+        array per group; with `advantage.overlong_buffer` > 0 DAPO's overlong penalty is added
+        to them first)."""
         buffer = self.config.advantage.overlong_buffer
         if buffer > 0:
             max_len = self.config.rollout.max_new_tokens
@@ -229,21 +279,42 @@ class Learner:
             self.config.zve.zvp.wrong_groups,
         )
         flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
-        batches = []
         for start in range(0, max(len(flat), 1), self.rows_per_update):
             chunk = flat[start : start + self.rows_per_update]
             sl = slice(start, start + len(chunk))
-            batches.append(
-                self.pack(
-                    [p for p, _ in chunk],
-                    [r.tokens for _, r in chunk],
-                    [r.logprobs for _, r in chunk],
-                    [r.routed_experts for _, r in chunk],
-                    adv[sl],
-                    signs[sl],
-                )
-            )
-        return batches
+            yield chunk, adv[sl], signs[sl]
+
+    def _pack_chunk(self, chunk, adv, signs, rows: int) -> RLBatch:
+        return self.pack([p for p, _ in chunk], [r.tokens for _, r in chunk],
+                         [r.logprobs for _, r in chunk], [r.routed_experts for _, r in chunk],
+                         adv, signs, rows=rows)
+
+    def minibatches(self, groups: Sequence[RolloutGroup],
+                    rewards: Sequence[np.ndarray]) -> list[RLBatch]:
+        """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`
+        (`_chunks`: advantages from `rewards`)."""
+        return [self._pack_chunk(chunk, adv, signs, self.rows_per_update)
+                for chunk, adv, signs in self._chunks(groups, rewards)]
+
+    def update_batches(self, groups: Sequence[RolloutGroup],
+                       rewards: Sequence[np.ndarray]) -> list[list[RLBatch]]:
+        """Per minibatch (`minibatches`), its `train.grad_threads` parts of `rows_per_part`
+        rows, its responses split between them by tokens (`batch.balance_rows`: the parts'
+        gradients take about as long); one part, the minibatch itself, without threads."""
+        if self.grad_threads == 1:
+            return [[b] for b in self.minibatches(groups, rewards)]
+        out = []
+        for chunk, adv, signs in self._chunks(groups, rewards):
+            lengths = [len(p) + len(r.tokens) for p, r in chunk]
+            order = balance_rows(lengths, self.grad_threads, self.rows_per_part)
+            parts = []
+            for d in range(self.grad_threads):
+                idx = [i for i in order[d * self.rows_per_part:(d + 1) * self.rows_per_part]
+                       if i < len(chunk)]
+                parts.append(self._pack_chunk([chunk[i] for i in idx], adv[idx], signs[idx],
+                                              self.rows_per_part))
+            out.append(parts)
+        return out
 
     def update(self, state: TrainState, groups: Sequence[RolloutGroup],
                rewards: Sequence[np.ndarray]):
@@ -255,29 +326,37 @@ class Learner:
         Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
         require_scored(groups)
         # Each process transfers only the rows of its own devices (the same on one process).
-        batches = [distributed.put_batch(b, self.batch_sharding)
-                   for b in self.minibatches(groups, rewards)]
+        batches = [[distributed.put_batch(b, self.batch_sharding) for b in parts]
+                   for parts in self.update_batches(groups, rewards)]
         kl = self.config.loss.kl_coef > 0
         if kl and self.ref_params is None:
             raise ValueError("loss.kl_coef > 0 needs the reference policy: call "
                              "Learner.set_reference(params) before update")
         fused = len(batches) == 1  # the only update runs at the old parameters
         prepared, metrics = [], []
-        for b in batches:
+        for parts in batches:
             if not fused:
-                b, m = self._old_pass(state.params, b)
-                metrics.append(m)
+                passed = self._run_parts("old_pass", self._old_pass, state.params, parts)
+                parts = [b for b, _ in passed]
+                metrics += [m for _, m in passed]
             if kl:
-                b = self._ref_pass(self.ref_params, b)
-            prepared.append(b)
+                parts = [self._ref_pass(self.ref_params, b) for b in parts]
+            prepared.append(parts)
         step0 = int(jax.device_get(state.step)) if self.config.train.anchor_coef > 0 else 0
-        name, step_fn = ("fused_step", self._fused_step) if fused else ("train_step",
-                                                                         self._train_step)
-        for i, b in enumerate(prepared):
+        for i, parts in enumerate(prepared):
             anchor = self.anchor_batch(step0 + i)
             if anchor is not None:
                 anchor = distributed.put_batch(anchor, self.batch_sharding)
-            state, m = self._run_compiled(name, step_fn, state, b, anchor)
+            if self.grad_threads == 1:
+                name, step_fn = (("fused_step", self._fused_step) if fused
+                                 else ("train_step", self._train_step))
+                state, m = self._run_compiled(name, step_fn, state, parts[0], anchor)
+            else:
+                name, grads_fn = (("fused_part", self._fused_part_grads) if fused
+                                  else ("part", self._part_grads))
+                grads = self._run_parts(name, grads_fn, state.params, parts)
+                state, m = self._run_compiled("apply_parts", self._apply_parts, state,
+                                              tuple(grads), anchor)
             metrics.append(m)
         merged: dict[str, list] = {}
         for m in jax.device_get(metrics):

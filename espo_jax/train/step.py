@@ -230,17 +230,51 @@ def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
     (loss, grads, total_w), (metrics, w_b) = jax.lax.scan(body, init, micro)
     scale = 1.0 / jnp.maximum(total_w, 1e-12)
     grads = jax.tree.map(lambda g: g * scale, grads)
-    share = w_b * scale  # [n_micro]: metrics are the same weighted means, extremes extremes
+    return loss * scale, grads, weighted_metrics(metrics, w_b * scale)
 
+
+def weighted_metrics(metrics_P: dict, share_P: jax.Array) -> dict:
+    """Metrics of P parts of a batch (each stacked on a leading axis) as the whole batch's:
+    means weighted by each part's share of the loss's weight, extremes (`*max`, `/max_*`,
+    `*min`) as extremes, counts (`/num_*`) summed."""
     def reduce(key, m):
+        if "/num_" in key:
+            return jnp.sum(m, axis=0)
         if key.endswith("max") or "/max_" in key:
             return jnp.max(m, axis=0)
         if key.endswith("min"):
             return jnp.min(m, axis=0)
-        return jnp.tensordot(share, m.astype(jnp.float32), axes=1)
+        return jnp.tensordot(share_P, m.astype(jnp.float32), axes=1)
 
-    metrics = {key: reduce(key, m) for key, m in metrics.items()}
-    return loss * scale, grads, metrics
+    return {key: reduce(key, m) for key, m in metrics_P.items()}
+
+
+def _rl_loss_fn(model_config, loss_config, replay, chunk_size, zvp_alpha, negative_scale,
+                fused):
+    return functools.partial(
+        rl_loss, model_config=model_config, loss_config=loss_config, replay=replay,
+        chunk_size=chunk_size, zvp_alpha=zvp_alpha, negative_scale=negative_scale, fused=fused)
+
+
+def _finish_update(state: TrainState, loss, grads, metrics, anchor_batch, *, model_config,
+                   chunk_size: int, anchor_coef: float):
+    """The RL gradient plus the supervised anchor's (when `anchor_coef` > 0), one optimiser
+    update, and the update's metrics."""
+    metrics = dict(metrics)
+    if anchor_coef > 0:
+        if anchor_batch is None:
+            raise ValueError("anchor_coef > 0 needs an anchor_batch of worked solutions")
+        # The anchor's loss includes the MoE aux loss of its own forward pass.
+        (anchor_loss, sft_metrics), sft_grads = jax.value_and_grad(sft_loss, has_aux=True)(
+            state.params, anchor_batch, model_config=model_config, chunk_size=chunk_size)
+        grads = jax.tree.map(lambda g, a: g + anchor_coef * a, grads, sft_grads)
+        loss = loss + anchor_coef * anchor_loss
+        metrics["anchor/nll"] = sft_metrics["sft/nll"]
+    state, skipped = apply_gradients(state, grads, loss)
+    metrics["train/loss"] = loss
+    metrics["train/grad_norm"] = _global_norm(grads)
+    metrics["train/skipped_update"] = skipped
+    return state, metrics
 
 
 def rl_train_step(
@@ -264,39 +298,63 @@ def rl_train_step(
     With `anchor_coef` > 0 the update also descends `anchor_coef` times the cross-entropy of
     `anchor_batch` (worked solutions, `sft_loss`): the RL gradient plus a supervised anchor that
     keeps what the warm start taught (InstructGPT's PPO-ptx mixing, arXiv 2203.02155 Eq. 2)."""
-
-    def loss_fn(params, mb):
-        return rl_loss(
-            params,
-            mb,
-            model_config=model_config,
-            loss_config=loss_config,
-            replay=replay,
-            chunk_size=chunk_size,
-            zvp_alpha=zvp_alpha,
-            negative_scale=negative_scale,
-            fused=fused,
-        )
-
+    loss_fn = _rl_loss_fn(model_config, loss_config, replay, chunk_size, zvp_alpha,
+                          negative_scale, fused)
     mode = losses.aggregation_mode(loss_config)
     loss, grads, metrics = accumulate_gradients(
         loss_fn, state.params, batch, n_micro,
         weight_fn=lambda mb: losses.aggregation_weight(mb.loss_mask, mode))
-    metrics = dict(metrics)
-    if anchor_coef > 0:
-        if anchor_batch is None:
-            raise ValueError("anchor_coef > 0 needs an anchor_batch of worked solutions")
-        # The anchor's loss includes the MoE aux loss of its own forward pass.
-        (anchor_loss, sft_metrics), sft_grads = jax.value_and_grad(sft_loss, has_aux=True)(
-            state.params, anchor_batch, model_config=model_config, chunk_size=chunk_size)
-        grads = jax.tree.map(lambda g, a: g + anchor_coef * a, grads, sft_grads)
-        loss = loss + anchor_coef * anchor_loss
-        metrics["anchor/nll"] = sft_metrics["sft/nll"]
-    state, skipped = apply_gradients(state, grads, loss)
-    metrics["train/loss"] = loss
-    metrics["train/grad_norm"] = _global_norm(grads)
-    metrics["train/skipped_update"] = skipped
-    return state, metrics
+    return _finish_update(state, loss, grads, metrics, anchor_batch, model_config=model_config,
+                          chunk_size=chunk_size, anchor_coef=anchor_coef)
+
+
+def rl_part_gradients(
+    params,
+    batch: RLBatch,
+    *,
+    model_config,
+    loss_config: ml_collections.ConfigDict,
+    replay: str,
+    chunk_size: int,
+    zvp_alpha: float,
+    n_micro: int,
+    negative_scale: float = 1.0,
+    fused: bool = False,
+):
+    """Loss, gradients and metrics of one part of an update's rows, and the part's weight in
+    the loss's mean (`losses.aggregation_weight`). The learner computes the parts of an update
+    at once, each on its own host thread (`train.grad_threads`), and `rl_apply_parts` joins
+    them: the same update as `rl_train_step` on all the rows, as micro-batches give it."""
+    loss_fn = _rl_loss_fn(model_config, loss_config, replay, chunk_size, zvp_alpha,
+                          negative_scale, fused)
+    mode = losses.aggregation_mode(loss_config)
+    weight_fn = lambda mb: losses.aggregation_weight(mb.loss_mask, mode)  # noqa: E731
+    loss, grads, metrics = accumulate_gradients(loss_fn, params, batch, n_micro, weight_fn)
+    return loss, grads, metrics, weight_fn(batch).astype(jnp.float32)
+
+
+def join_parts(parts):
+    """Loss, gradients and metrics of a batch from its parts' `rl_part_gradients` (a sequence
+    of (loss, grads, metrics, weight)): part p enters with weight w_p / sum w, so the policy
+    loss, its gradients and the metrics are the whole batch's (`accumulate_gradients`' rule;
+    the MoE aux loss, as there, is the same mean of each part's own)."""
+    w_P = jnp.stack([p[3] for p in parts])
+    share_P = w_P / jnp.maximum(jnp.sum(w_P), 1e-12)
+    loss = jnp.dot(share_P, jnp.stack([p[0] for p in parts]))
+    grads = jax.tree.map(lambda *g: sum(s * x for s, x in zip(share_P, g, strict=True)),
+                         *(p[1] for p in parts))
+    metrics = weighted_metrics(jax.tree.map(lambda *m: jnp.stack(m), *(p[2] for p in parts)),
+                               share_P)
+    return loss, grads, metrics
+
+
+def rl_apply_parts(state: TrainState, parts, anchor_batch=None, *, model_config,
+                   chunk_size: int, anchor_coef: float = 0.0):
+    """One optimiser update from the `rl_part_gradients` of an update's parts (`join_parts`),
+    the anchor and the update as in `rl_train_step`."""
+    loss, grads, metrics = join_parts(parts)
+    return _finish_update(state, loss, grads, metrics, anchor_batch, model_config=model_config,
+                          chunk_size=chunk_size, anchor_coef=anchor_coef)
 
 
 def sft_loss(params, batch, *, model_config, chunk_size: int):

@@ -108,3 +108,49 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(setup, loss_name, repla
     scale = max(float(jnp.max(jnp.abs(g))) for g in flat_a)
     for a, b in zip(flat_a, flat_b, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5 * scale)
+
+
+# ESPO's group mean (fused), DAPO's token mean, a sequence mean after an old-policy pass.
+@pytest.mark.parametrize("loss_name,replay,fused", [CASES[0], CASES[1], CASES[-1]])
+def test_parts_join_to_the_whole_batch(setup, loss_name, replay, fused):
+    # An update's rows in two parts of unequal weight (8 and 4 of the 12 sequences, each packed
+    # on its own), their gradients joined by weight (`train.grad_threads`): the loss, gradients
+    # and metrics of the whole batch. The MoE aux loss is each part's own (router statistics
+    # over its tokens), so it is switched off here.
+    params, _ = setup
+    config = CONFIG.replace(aux_loss_coef=0.0)
+    args = _sequences()
+    kw = dict(seq_len=SEQ_LEN, pad_id=0, moe_shape=(CONFIG.n_moe_layers, CONFIG.top_k),
+              pack=True)
+    whole = jax.tree.map(jnp.asarray, pack_sequences(*args, rows=ROWS, **kw))
+    parts = [jax.tree.map(jnp.asarray, pack_sequences(
+        *[[a[i] for i in idx] if isinstance(a, list) else a[idx] for a in args],
+        rows=ROWS // 2, **kw)) for idx in (np.arange(8), np.arange(8, 12))]
+    loss_config = paper_loss_config(loss_name)
+    loss_config.vocab_size = CONFIG.vocab_size
+    at = params if fused else jax.tree.map(lambda p: p * 1.05, params)
+    kw = dict(model_config=config, replay=replay, chunk_size=8)
+
+    @jax.jit
+    def part_grads(batch):
+        if not fused:
+            batch, _ = step_lib.old_policy_pass(params, batch, **kw)
+        return step_lib.rl_part_gradients(at, batch, loss_config=loss_config, zvp_alpha=0.0,
+                                          n_micro=1, fused=fused, **kw)
+
+    loss_a, g_a, m_a, w_a = part_grads(whole)
+    loss_b, g_b, m_b = jax.jit(step_lib.join_parts)([part_grads(p) for p in parts])
+    w_parts = [float(part_grads(p)[3]) for p in parts]
+    assert w_parts[0] != w_parts[1] and sum(w_parts) == pytest.approx(float(w_a))
+    assert abs(float(loss_a)) > 1e-6
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5, atol=1e-7)
+    # The loss, extremes and counts are the whole batch's (other means are weighted by the
+    # loss's weights: token means of a row-mean loss are as micro-batches report them).
+    for key in [k for k in m_a if k in ("pg/loss", "pg/num_tokens") or k.endswith("max")
+                or "/max_" in k]:
+        np.testing.assert_allclose(float(m_b[key]), float(m_a[key]), rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+    flat_a, flat_b = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in flat_a)
+    for a, b in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5 * scale)
