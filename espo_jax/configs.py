@@ -467,6 +467,12 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 f"anchor rows {anchor_rows} (train.anchor_rows, or warmstart.batch_size when 0) "
                 f"not divisible by mesh.data * mesh.fsdp = {config.mesh.data * config.mesh.fsdp}"
             )
+        elif (config.train.anchor_coef > 0 and one_device
+              and anchor_rows % config.train.grad_threads):
+            errors.append(
+                f"anchor rows {anchor_rows} (train.anchor_rows, or warmstart.batch_size when 0) "
+                f"not divisible by train.grad_threads = {config.train.grad_threads} (a one-device "
+                "mesh splits the anchor's rows like the update's)")
         mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
         if mesh > n_devices:
             errors.append(

@@ -9,7 +9,10 @@ finishes takes the next sample at once; the G samples of a prompt share one pref
 `prefill_rows` prompts per call (`prefill_many`; blocks fixed by the request list), inserts every
 sample admitted at a sync that shares a prefix block in one call (`insert_many`), and reads all
 slots finished at a sync in one transfer: per-prompt / per-slot calls cost 6.5 / 1 / 1.4 ms each
-on the 2-core CPU, 40% of a 1024-sample run (13.5 s -> 8.6 s).
+on the 2-core CPU, 40% of a 1024-sample run (13.5 s -> 8.6 s). With `shards` > 1 the slots
+form that many independent groups, each driven by its own host thread (`batching.
+generate_sharded`): on a CPU, XLA runs a decode step's many small ops one after another, so one
+slot group keeps one core busy and two keep two.
 
 What is recorded, per response: the sampled tokens; the log-prob of each under the distribution
 it was drawn from (see `espo_jax.rollout.sampling`); and the experts every MoE layer routed each

@@ -159,10 +159,15 @@ class Learner:
             )
             for fused in (False, True)
         )
+        self._anchor_part_grads = jax.jit(
+            functools.partial(step_lib.sft_part_gradients, model_config=model_config,
+                              chunk_size=config.train.logprob_chunk),
+            in_shardings=(state_shardings.params, None),
+            out_shardings=(replicated, state_shardings.params, replicated, replicated),
+            compiler_options=options,
+        )
         self._apply_parts = jax.jit(
-            functools.partial(step_lib.rl_apply_parts, model_config=model_config,
-                              chunk_size=config.train.logprob_chunk,
-                              anchor_coef=config.train.anchor_coef),
+            functools.partial(step_lib.rl_apply_parts, anchor_coef=config.train.anchor_coef),
             in_shardings=(state_shardings, None, None),
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,), compiler_options=options,
@@ -222,7 +227,7 @@ class Learner:
                 exe = fn.lower(*args).compile()
             self._compiled[key] = exe
             self.memory_report[name] = report = memory_report(exe)
-            shape = args[1].tokens.shape if isinstance(args[1], RLBatch) else "its parts"
+            shape = args[1].tokens.shape if isinstance(args[1], RLBatch) else "its inputs"
             logging.info("compiled %s for %s in %.1f s; memory (bytes): %s", name, shape,
                          time.time() - start, report or "not reported by this backend",
                          extra=console.FILE_ONLY)
@@ -232,14 +237,16 @@ class Learner:
         """`fn(*args)` through its ahead-of-time executable (`_executable`)."""
         return self._executable(name, fn, *args)(*args)
 
-    def _run_parts(self, name: str, fn, head, parts: Sequence[RLBatch]) -> list:
-        """`fn(head, part)` for every part: at once, each on its own thread (waiting for its
-        result there), when there are several. Compiled first, here: threads never compile."""
-        exes = [self._executable(name, fn, head, p) for p in parts]
+    def _run_parts(self, calls: Sequence[tuple]) -> list:
+        """`fn(head, part)` for every (name, fn, head, part) of `calls`: at once on the
+        learner's threads (each waiting for its result there) when it has them, in order
+        otherwise. Compiled first, here: threads never compile."""
+        exes = [(self._executable(name, fn, head, part), head, part)
+                for name, fn, head, part in calls]
         if self._pool is None:
-            return [exe(head, p) for exe, p in zip(exes, parts, strict=True)]
-        run = lambda exe, p: jax.block_until_ready(exe(head, p))  # noqa: E731
-        futures = [self._pool.submit(run, exe, p) for exe, p in zip(exes, parts, strict=True)]
+            return [exe(head, part) for exe, head, part in exes]
+        futures = [self._pool.submit(lambda e, h, p: jax.block_until_ready(e(h, p)), *x)
+                   for x in exes]
         return [f.result() for f in futures]
 
     def _example_batch(self) -> RLBatch:
@@ -336,7 +343,8 @@ class Learner:
         prepared, metrics = [], []
         for parts in batches:
             if not fused:
-                passed = self._run_parts("old_pass", self._old_pass, state.params, parts)
+                passed = self._run_parts([("old_pass", self._old_pass, state.params, b)
+                                          for b in parts])
                 parts = [b for b, _ in passed]
                 metrics += [m for _, m in passed]
             if kl:
@@ -345,18 +353,27 @@ class Learner:
         step0 = int(jax.device_get(state.step)) if self.config.train.anchor_coef > 0 else 0
         for i, parts in enumerate(prepared):
             anchor = self.anchor_batch(step0 + i)
-            if anchor is not None:
-                anchor = distributed.put_batch(anchor, self.batch_sharding)
             if self.grad_threads == 1:
+                if anchor is not None:
+                    anchor = distributed.put_batch(anchor, self.batch_sharding)
                 name, step_fn = (("fused_step", self._fused_step) if fused
                                  else ("train_step", self._train_step))
                 state, m = self._run_compiled(name, step_fn, state, parts[0], anchor)
             else:
+                # The anchor's rows in as many parts, computed on the same threads.
+                anchors = [] if anchor is None else [
+                    distributed.put_batch({k: v[j::self.grad_threads] for k, v in anchor.items()},
+                                          self.batch_sharding)
+                    for j in range(self.grad_threads)]
                 name, grads_fn = (("fused_part", self._fused_part_grads) if fused
                                   else ("part", self._part_grads))
-                grads = self._run_parts(name, grads_fn, state.params, parts)
+                out = self._run_parts(
+                    [(name, grads_fn, state.params, b) for b in parts]
+                    + [("anchor_part", self._anchor_part_grads, state.params, a)
+                       for a in anchors])
+                rl, anchor_out = out[:len(parts)], out[len(parts):]
                 state, m = self._run_compiled("apply_parts", self._apply_parts, state,
-                                              tuple(grads), anchor)
+                                              tuple(rl), tuple(anchor_out) or None)
             metrics.append(m)
         merged: dict[str, list] = {}
         for m in jax.device_get(metrics):

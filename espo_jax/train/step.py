@@ -256,20 +256,16 @@ def _rl_loss_fn(model_config, loss_config, replay, chunk_size, zvp_alpha, negati
         chunk_size=chunk_size, zvp_alpha=zvp_alpha, negative_scale=negative_scale, fused=fused)
 
 
-def _finish_update(state: TrainState, loss, grads, metrics, anchor_batch, *, model_config,
-                   chunk_size: int, anchor_coef: float):
-    """The RL gradient plus the supervised anchor's (when `anchor_coef` > 0), one optimiser
-    update, and the update's metrics."""
+def _finish_update(state: TrainState, loss, grads, metrics, anchor=None, *,
+                   anchor_coef: float = 0.0):
+    """One optimiser update on the RL gradient, plus `anchor_coef` times the supervised
+    anchor's where `anchor` = its (loss, grads, metrics) is given, and the update's metrics."""
     metrics = dict(metrics)
-    if anchor_coef > 0:
-        if anchor_batch is None:
-            raise ValueError("anchor_coef > 0 needs an anchor_batch of worked solutions")
-        # The anchor's loss includes the MoE aux loss of its own forward pass.
-        (anchor_loss, sft_metrics), sft_grads = jax.value_and_grad(sft_loss, has_aux=True)(
-            state.params, anchor_batch, model_config=model_config, chunk_size=chunk_size)
-        grads = jax.tree.map(lambda g, a: g + anchor_coef * a, grads, sft_grads)
+    if anchor is not None:
+        anchor_loss, anchor_grads, anchor_metrics = anchor
+        grads = jax.tree.map(lambda g, a: g + anchor_coef * a, grads, anchor_grads)
         loss = loss + anchor_coef * anchor_loss
-        metrics["anchor/nll"] = sft_metrics["sft/nll"]
+        metrics["anchor/nll"] = anchor_metrics["sft/nll"]
     state, skipped = apply_gradients(state, grads, loss)
     metrics["train/loss"] = loss
     metrics["train/grad_norm"] = _global_norm(grads)
@@ -277,35 +273,28 @@ def _finish_update(state: TrainState, loss, grads, metrics, anchor_batch, *, mod
     return state, metrics
 
 
-def rl_train_step(
-    state: TrainState,
-    batch: RLBatch,
-    anchor_batch=None,
-    *,
-    model_config,
-    loss_config: ml_collections.ConfigDict,
-    replay: str,
-    chunk_size: int,
-    zvp_alpha: float,
-    n_micro: int,
-    negative_scale: float = 1.0,
-    anchor_coef: float = 0.0,
-    fused: bool = False,
-):
+def _anchor_needed(anchor_coef: float, anchor_batch) -> bool:
+    if anchor_coef > 0 and anchor_batch is None:
+        raise ValueError("anchor_coef > 0 needs an anchor_batch of worked solutions")
+    return anchor_coef > 0
+
+
+def rl_train_step(state: TrainState, batch: RLBatch, anchor_batch=None, *,
+                  anchor_coef: float = 0.0, **loss_kw):
     """One optimiser update on a minibatch that already carries old-policy log-probs, or, with
-    `fused`, the first update of a rollout batch computing them itself (see `rl_loss`).
+    `fused`, the first update of a rollout batch computing them itself (see `rl_loss`):
+    `rl_part_gradients(state.params, batch, **loss_kw)` of the whole minibatch, then the update.
 
     With `anchor_coef` > 0 the update also descends `anchor_coef` times the cross-entropy of
     `anchor_batch` (worked solutions, `sft_loss`): the RL gradient plus a supervised anchor that
     keeps what the warm start taught (InstructGPT's PPO-ptx mixing, arXiv 2203.02155 Eq. 2)."""
-    loss_fn = _rl_loss_fn(model_config, loss_config, replay, chunk_size, zvp_alpha,
-                          negative_scale, fused)
-    mode = losses.aggregation_mode(loss_config)
-    loss, grads, metrics = accumulate_gradients(
-        loss_fn, state.params, batch, n_micro,
-        weight_fn=lambda mb: losses.aggregation_weight(mb.loss_mask, mode))
-    return _finish_update(state, loss, grads, metrics, anchor_batch, model_config=model_config,
-                          chunk_size=chunk_size, anchor_coef=anchor_coef)
+    loss, grads, metrics, _ = rl_part_gradients(state.params, batch, **loss_kw)
+    anchor = None
+    if _anchor_needed(anchor_coef, anchor_batch):
+        anchor = sft_part_gradients(state.params, anchor_batch,
+                                    model_config=loss_kw["model_config"],
+                                    chunk_size=loss_kw["chunk_size"])[:3]
+    return _finish_update(state, loss, grads, metrics, anchor, anchor_coef=anchor_coef)
 
 
 def rl_part_gradients(
@@ -333,11 +322,20 @@ def rl_part_gradients(
     return loss, grads, metrics, weight_fn(batch).astype(jnp.float32)
 
 
+def sft_part_gradients(params, batch, *, model_config, chunk_size: int):
+    """`sft_loss`, its gradients and metrics on (a part of) the anchor's worked solutions, and
+    the part's weight in the token mean (its answer tokens)."""
+    (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
+        params, batch, model_config=model_config, chunk_size=chunk_size)
+    return loss, grads, metrics, jnp.sum(batch["mask"]).astype(jnp.float32)
+
+
 def join_parts(parts):
-    """Loss, gradients and metrics of a batch from its parts' `rl_part_gradients` (a sequence
-    of (loss, grads, metrics, weight)): part p enters with weight w_p / sum w, so the policy
-    loss, its gradients and the metrics are the whole batch's (`accumulate_gradients`' rule;
-    the MoE aux loss, as there, is the same mean of each part's own)."""
+    """Loss, gradients and metrics of a batch from its parts' `rl_part_gradients` (or
+    `sft_part_gradients`): each a (loss, grads, metrics, weight); part p enters with weight
+    w_p / sum w, so the policy loss, its gradients and the metrics are the whole batch's
+    (`accumulate_gradients`' rule; the MoE aux loss, as there, is the same mean of each part's
+    own)."""
     w_P = jnp.stack([p[3] for p in parts])
     share_P = w_P / jnp.maximum(jnp.sum(w_P), 1e-12)
     loss = jnp.dot(share_P, jnp.stack([p[0] for p in parts]))
@@ -348,13 +346,13 @@ def join_parts(parts):
     return loss, grads, metrics
 
 
-def rl_apply_parts(state: TrainState, parts, anchor_batch=None, *, model_config,
-                   chunk_size: int, anchor_coef: float = 0.0):
-    """One optimiser update from the `rl_part_gradients` of an update's parts (`join_parts`),
-    the anchor and the update as in `rl_train_step`."""
+def rl_apply_parts(state: TrainState, parts, anchor_parts=None, *, anchor_coef: float = 0.0):
+    """One optimiser update from the `rl_part_gradients` of an update's parts and, with
+    `anchor_coef` > 0, the `sft_part_gradients` of the anchor's parts (each joined by
+    `join_parts`): the update `rl_train_step` makes on all the rows."""
+    anchor = join_parts(anchor_parts) if _anchor_needed(anchor_coef, anchor_parts) else None
     loss, grads, metrics = join_parts(parts)
-    return _finish_update(state, loss, grads, metrics, anchor_batch, model_config=model_config,
-                          chunk_size=chunk_size, anchor_coef=anchor_coef)
+    return _finish_update(state, loss, grads, metrics, anchor, anchor_coef=anchor_coef)
 
 
 def sft_loss(params, batch, *, model_config, chunk_size: int):

@@ -383,11 +383,12 @@ def test_single_minibatch_update_fuses_the_old_policy_pass(learner_setup):
     assert report["argument"] >= 3 * 4 * n_params and report["temp"] > 0
 
 
-@pytest.mark.parametrize("updates", [1, 2])
-def test_grad_threads_update_as_one_program(learner_setup, updates):
-    # On a one-device mesh, train.grad_threads = 2 splits each update's rows in two parts whose
-    # gradients two threads compute at once, joined by weight: the update one program makes
-    # (fused: one minibatch of 4 rows; updates=2: two minibatches of 2 after an old pass).
+@pytest.mark.parametrize("updates,anchor", [(1, True), (2, False)])
+def test_grad_threads_update_as_one_program(learner_setup, updates, anchor):
+    # On a one-device mesh, train.grad_threads = 2 splits each update's rows (and the anchor's)
+    # in two parts whose gradients two threads compute at once, joined by weight: the update one
+    # program makes (fused: one minibatch of 4 rows, with the supervised anchor's 4 worked
+    # solutions; updates=2: two minibatches of 2 after an old-policy pass).
     learner, params, make_state, generated = learner_setup
     mesh_config = learner.config.mesh.copy_and_resolve_references()
     mesh_config.data = 1
@@ -399,17 +400,23 @@ def test_grad_threads_update_as_one_program(learner_setup, updates):
     for threads in (1, 2):
         c = learner.config.copy_and_resolve_references()
         c.mesh.data, c.train.grad_threads, c.train.updates_per_batch = 1, threads, updates
+        c.train.anchor_coef, c.train.anchor_rows = (0.5, 4) if anchor else (0.0, 0)
         # No MoE aux loss: it is each part's own router statistics (as with micro-batches).
         lrn = Learner(c, learner.model_config.replace(aux_loss_coef=0.0), mesh, state_shardings)
         assert lrn.grad_threads == threads and (lrn._pool is not None) == (threads > 1)
+        if anchor:  # worked solutions of different lengths: the halves weigh differently
+            tok = CharTokenizer()
+            lrn.set_anchor([{"prompt_id": f"p{i}", "tokens": tok.encode(f"{i}+{i}=", add_bos=True),
+                             "solution": f"{i}+{i}={2 * i}#{2 * i}"} for i in (3, 40, 400, 5)],
+                           tok, 32)
         state, m = lrn.update(make_state(one_device), *groups)
         runs[threads] = (_host(state.params), m, {name for name, _ in lrn._compiled})
     (p1, m1, names1), (p2, m2, names2) = runs[1], runs[2]
-    assert names2 == ({"fused_part", "apply_parts"} if updates == 1
+    assert names2 == ({"fused_part", "anchor_part", "apply_parts"} if updates == 1
                       else {"old_pass", "part", "apply_parts"})
     assert names1 == ({"fused_step"} if updates == 1 else {"old_pass", "train_step"})
     for key in ("train/loss", "pg/loss", "train/grad_norm", "mismatch/max_abs_logp",
-                "train/max_abs_logp_mismatch"):
+                "train/max_abs_logp_mismatch") + (("anchor/nll",) if anchor else ()):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
     assert m2["mismatch/mean_abs_logp"] == pytest.approx(0.05, abs=1e-4)
     # Adam's first steps move each weight by about lr = 1e-2 either way: the same moves.
