@@ -172,7 +172,7 @@ class Learner:
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,), compiler_options=options,
         )
-        self._compiled: dict[tuple, object] = {}  # (name, model-side batch shape) -> executable
+        self._compiled: dict[tuple, object] = {}  # (name, input shapes) -> executable
         self.memory_report: dict[str, dict[str, int]] = {}  # per compiled update step
 
     def set_anchor(self, prompts: Sequence[dict], tokenizer, seq_len: int) -> None:
