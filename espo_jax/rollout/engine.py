@@ -255,10 +255,10 @@ class Engine:
         the request list and the shard count, still not on admission or timing."""
         if self.shards == 1:
             return batching.generate_groups(self, requests, **kwargs)
+        # This engine's weights and sampling at this call (each shard checks there are weights).
         if kwargs.get("params") is None:
             kwargs["params"] = self.params
-        if kwargs["params"] is None:
-            raise ValueError("Engine has no weights: pass params or call load_params first")
+        kwargs["sampling"] = kwargs.get("sampling") or self.sampling
         groups, self.last_stats = batching.generate_sharded(self._shards(), requests, **kwargs)
         return groups
 

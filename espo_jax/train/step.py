@@ -249,13 +249,6 @@ def weighted_metrics(metrics_P: dict, share_P: jax.Array) -> dict:
     return {key: reduce(key, m) for key, m in metrics_P.items()}
 
 
-def _rl_loss_fn(model_config, loss_config, replay, chunk_size, zvp_alpha, negative_scale,
-                fused):
-    return functools.partial(
-        rl_loss, model_config=model_config, loss_config=loss_config, replay=replay,
-        chunk_size=chunk_size, zvp_alpha=zvp_alpha, negative_scale=negative_scale, fused=fused)
-
-
 def _finish_update(state: TrainState, loss, grads, metrics, anchor=None, *,
                    anchor_coef: float = 0.0):
     """One optimiser update on the RL gradient, plus `anchor_coef` times the supervised
@@ -314,8 +307,9 @@ def rl_part_gradients(
     the loss's mean (`losses.aggregation_weight`). The learner computes the parts of an update
     at once, each on its own host thread (`train.grad_threads`), and `rl_apply_parts` joins
     them: the same update as `rl_train_step` on all the rows, as micro-batches give it."""
-    loss_fn = _rl_loss_fn(model_config, loss_config, replay, chunk_size, zvp_alpha,
-                          negative_scale, fused)
+    loss_fn = functools.partial(
+        rl_loss, model_config=model_config, loss_config=loss_config, replay=replay,
+        chunk_size=chunk_size, zvp_alpha=zvp_alpha, negative_scale=negative_scale, fused=fused)
     mode = losses.aggregation_mode(loss_config)
     weight_fn = lambda mb: losses.aggregation_weight(mb.loss_mask, mode)  # noqa: E731
     loss, grads, metrics = accumulate_gradients(loss_fn, params, batch, n_micro, weight_fn)
