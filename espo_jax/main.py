@@ -67,5 +67,8 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+    from espo_jax import host_memory
+
+    host_memory.reexec_with_huge_pages()  # glibc's huge pages for XLA's buffers (a restart)
     flags.adopt_module_key_flags(worker_flags)  # --help lists them
     sys.exit(app.run(main))

@@ -51,4 +51,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from espo_jax import host_memory
+
+    host_memory.reexec_with_huge_pages()  # as the main job runs (espo_jax.host_memory)
     app.run(main)

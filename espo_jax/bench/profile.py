@@ -19,7 +19,9 @@ in the name), and its kind (matmul, gather, scatter, sort, copy / transpose, dyn
 elementwise and reductions). Times are thread time summed over the CPU threads, per call;
 shares are of that sum. Achieved model FLOP/s (the PaLM count of `bench model`) is set against
 the peak of a jitted fp32 `jnp.dot` measured in the same process, and against the matmuls'
-own time: the gap between the two is the time spent outside matmuls.
+own time: the gap between the two is the time spent outside matmuls. Beside them, per call,
+the kernel's time and the minor page faults of the timed calls (`getrusage`), which the trace
+cannot see: the pages of the buffers XLA allocates afresh each call (`espo_jax.host_memory`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import functools
 import glob
 import os
 import re
+import resource
 import tempfile
 import time
 from collections.abc import Callable
@@ -292,10 +295,17 @@ def profile(name: str, program, repeats: int, traced_calls: int, peak: float) ->
     start = time.perf_counter()
     call()  # compiles
     first_s = time.perf_counter() - start
+    before = resource.getrusage(resource.RUSAGE_SELF)
     wall = median_time(call, repeats, warmup=0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
     figures = {"wall_s": wall, "first_call_s": first_s, "tokens": tokens,
                "tokens_per_s": tokens / wall, "model_flops": flops,
-               "model_flops_per_s": flops / wall, "of_peak": flops / wall / peak}
+               "model_flops_per_s": flops / wall, "of_peak": flops / wall / peak,
+               # What the trace cannot see: the kernel's time, mostly page faults on the
+               # buffers XLA allocates afresh each call (espo_jax.host_memory).
+               "minor_faults_per_call": (after.ru_minflt - before.ru_minflt) / repeats,
+               "system_s_per_call": (after.ru_stime - before.ru_stime) / repeats,
+               "huge_pages": "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", "")}
     figures.update(breakdown(traced_op_seconds(call, traced_calls), modules, traced_calls))
     matmul_ms = figures["by_kind_ms"].get("matmul", 0.0)
     total_ms = figures["thread_ms_per_call"]
@@ -303,7 +313,10 @@ def profile(name: str, program, repeats: int, traced_calls: int, peak: float) ->
     print(f"\n{name}: {wall * 1e3:.1f} ms per call ({tokens / wall:.0f} tok/s, "
           f"{flops / wall / 1e9:.1f} model GFLOP/s = {100 * figures['of_peak']:.1f}% of the "
           f"jnp.dot peak); {total_ms:.1f} thread-ms per call, "
-          f"{100 * figures['matmul_share']:.0f}% of it in matmuls")
+          f"{100 * figures['matmul_share']:.0f}% of it in matmuls; kernel "
+          f"{1e3 * figures['system_s_per_call']:.1f} ms and "
+          f"{figures['minor_faults_per_call']:.0f} minor page faults per call (huge pages "
+          f"{'on' if figures['huge_pages'] else 'off'})")
     rows = [[part, *(f"{phases.get(ph, 0.0):.1f}" for ph in ("forward", "backward")),
              f"{100 * sum(phases.values()) / total_ms:.1f}%"]
             for part, phases in figures["by_part_ms"].items()]

@@ -568,7 +568,10 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
 if __name__ == "__main__":
     from absl import app, flags
 
+    from espo_jax import host_memory
     from espo_jax.rollout import worker_flags
+
+    host_memory.reexec_with_huge_pages()  # glibc's huge pages for XLA's buffers (a restart)
 
     flags.adopt_module_key_flags(worker_flags)  # --help lists them
     app.run(main)
