@@ -11,11 +11,12 @@ maps and for its heap: ~1,000-6,000 faults and ~55 ms a call, and the step 10-20
 glibc reads its tunables at process start only, so `reexec_with_huge_pages()` starts the
 process again, in place (the same pid, arguments and open files), with the tunable added to
 `GLIBC_TUNABLES`. The entry points (`python -m espo_jax.main`, `python -m
-espo_jax.rollout.worker`, `python -m espo_jax.bench`) call it before anything else; library
-code never does. It does nothing when `ESPO_JAX_HUGE_PAGES=0`, when the tunable is already set
-(by a user or the first start), without glibc >= 2.35 (the tunable's first release), or unless
-the kernel's transparent huge pages are in `madvise` mode (`always` already gives them, `never`
-cannot). Child processes inherit the setting from the environment.
+espo_jax.rollout.worker`, `python -m espo_jax.bench`, except bench peers, which times TRL and
+torch in its own process) call it before anything else; library code never does. It does
+nothing when `ESPO_JAX_HUGE_PAGES=0`, when the tunable is already set (by a user or the first
+start), without glibc >= 2.35 (the tunable's first release), or unless the kernel's
+transparent huge pages are in `madvise` mode (`always` already gives them, `never` cannot).
+Child processes inherit the setting from the environment.
 """
 
 from __future__ import annotations
@@ -55,12 +56,17 @@ def huge_pages_env(environ: Mapping[str, str], thp: str | None,
                    glibc: tuple[int, int] | None) -> dict[str, str] | None:
     """The environment to start again with (`environ` with the tunable appended to
     GLIBC_TUNABLES), or None when there is nothing to do (see the module docstring)."""
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if environ.get(OFF_SWITCH, "1") == "0" or TUNABLE in tunables:
+    if environ.get(OFF_SWITCH, "1") == "0" or huge_pages_set(environ):
         return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
     if glibc is None or glibc < (2, 35) or thp != "madvise":
         return None
     return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, f"{TUNABLE}=1"]))}
+
+
+def huge_pages_set(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process runs with the tunable set (to anything: a user's 0 counts)."""
+    return TUNABLE in environ.get("GLIBC_TUNABLES", "")
 
 
 def reexec_with_huge_pages() -> None:

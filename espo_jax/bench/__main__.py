@@ -23,6 +23,11 @@ _BUDGET = flags.DEFINE_integer("budget", None, "zve: generated tokens per config
                                lower_bound=1)
 _PROMPTS = flags.DEFINE_integer("prompts", None, "zve: RL prompt pool size", lower_bound=1)
 OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS}}
+# Benchmarks run under glibc's huge pages as the main job does (`espo_jax.host_memory`), except
+# these: bench peers times TRL and torch in its own process, and the tunable slows TRL's step
+# on the 2-core CPU, so both sides keep glibc's defaults there (espo_jax's side is the slower
+# for it: a conservative comparison).
+NO_HUGE_PAGES = ("peers",)
 
 
 def main(argv: list[str]) -> int:
@@ -37,6 +42,10 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f"--{', --'.join(foreign)}: not a flag of the {name} benchmark")
     if _INIT_FROM.value and not os.path.isdir(_INIT_FROM.value):
         raise app.UsageError(f"--init_from {_INIT_FROM.value!r} is not a directory")
+    if name not in NO_HUGE_PAGES:
+        from espo_jax import host_memory
+
+        host_memory.reexec_with_huge_pages()  # as the main job runs (a restart)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from espo_jax import console
 
@@ -51,7 +60,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from espo_jax import host_memory
-
-    host_memory.reexec_with_huge_pages()  # as the main job runs (espo_jax.host_memory)
     app.run(main)

@@ -30,6 +30,11 @@ compile / first-call time reported apart:
 
 Each prints achieved model FLOP/s (PaLM's 6N + 12LHAT per trained token, 2N + attention per
 generated token) against the peak of a jitted fp32 `jnp.dot` measured in the same process.
+
+`python -m espo_jax.bench peers` runs with glibc's allocator defaults, not under the huge-page
+tunable the main job restarts with (`espo_jax.host_memory`): both sides share this process, and
+the tunable slows TRL's step on the 2-core CPU while it speeds up espo_jax's update, so the
+figures here are conservative for espo_jax (experiments/results/README.md, "Huge pages").
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from espo_jax import configs, sharding
+from espo_jax import configs, host_memory, sharding
 from espo_jax.bench import format_table
 from espo_jax.bench.engine import _hf_generate
 from espo_jax.bench.model import (
@@ -266,7 +271,8 @@ def run(quick: bool) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
     figures: dict[str, Any] = {"peak_matmul_flops": peak, "repeats": repeats,
-                               "cpus": os.cpu_count(), "load_average_start": os.getloadavg()}
+                               "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
+                               "huge_pages": host_memory.huge_pages_set()}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         save_workload_model(model_dir)
@@ -350,7 +356,8 @@ def run(quick: bool) -> dict:
     print(f"peak fp32 jnp.dot: {peak / 1e9:.0f} GFLOP/s; {os.cpu_count()} CPUs; load average "
           f"{figures['load_average_start'][0]:.1f} at start, {figures['load_average_end'][0]:.1f}"
           f" at end; model {figures['params'] / 1e6:.2f}M parameters "
-          f"({figures['active_params'] / 1e6:.2f}M active); medians of {repeats}")
+          f"({figures['active_params'] / 1e6:.2f}M active); medians of {repeats}; glibc huge "
+          f"pages {'on' if figures['huge_pages'] else 'off'}")
     print(format_table(
         ["workload", "espo_jax", "peer", "espo / peer", "espo_jax FLOP/s of peak"],
         [[f"GRPO step ({PROMPTS}x{SAMPLES}, {NEW_TOKENS} new tokens, 1 AdamW update)",

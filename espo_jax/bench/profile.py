@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo_jax import configs
+from espo_jax import configs, host_memory
 from espo_jax.bench import format_table, median_time
 from espo_jax.bench.model import jax_train_step, peak_matmul_flops, train_flops_per_token
 from espo_jax.bench.packing import espo_update, sequences
@@ -305,7 +305,7 @@ def profile(name: str, program, repeats: int, traced_calls: int, peak: float) ->
                # buffers XLA allocates afresh each call (espo_jax.host_memory).
                "minor_faults_per_call": (after.ru_minflt - before.ru_minflt) / repeats,
                "system_s_per_call": (after.ru_stime - before.ru_stime) / repeats,
-               "huge_pages": "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", "")}
+               "huge_pages": host_memory.huge_pages_set()}
     figures.update(breakdown(traced_op_seconds(call, traced_calls), modules, traced_calls))
     matmul_ms = figures["by_kind_ms"].get("matmul", 0.0)
     total_ms = figures["thread_ms_per_call"]
