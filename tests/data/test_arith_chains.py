@@ -1,5 +1,6 @@
 """arith_chains: worked solutions by hand, offline preparation into a tmp data_dir, determinism."""
 
+import subprocess
 import sys
 
 import pytest
@@ -48,8 +49,23 @@ def test_problem_space():
     assert problem_space(3, 2) == 90**3 * 4  # 10-99 operands, two operators
 
 
-def test_prepares_offline_without_tensorflow(prepared):
-    assert "tensorflow" not in sys.modules  # preparing and reading never imported TF
+def test_preparing_and_reading_never_import_tensorflow(tmp_path):
+    """In a fresh interpreter: other tests in this process (summary writers) may import TF."""
+    code = (f"import sys\n"
+            f"from espo_jax.data.arith_chains import ArithChains, arith_chains_config\n"
+            f"from espo_jax.data.tfds_offline import prepare\n"
+            f"config = arith_chains_config(levels=((2, 1),), train_per_level=10, "
+            f"test_per_level=5, seed=3)\n"
+            f"source = prepare(ArithChains, {str(tmp_path)!r}, config).as_data_source()\n"
+            f"assert source['train'][0]['prompt']\n"
+            f"print('tensorflow' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "False"  # (after tfds' own progress lines)
+
+
+def test_prepares_offline(prepared):
     train, test = _records(prepared, "train"), _records(prepared, "test")
     # level 1 has 200 distinct problems; those hashed into test are enumerated independently
     level1_test = sum(_in_test(f"{a} {op} {b}", 10) for a in range(10) for b in range(10)
