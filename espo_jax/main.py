@@ -49,6 +49,8 @@ def main(argv) -> int:
                          "train.loop=async runs multi-host (rollout workers are single processes)")
     logging.getLogger().setLevel(logging.INFO)
     log_path = console.log_to_file(workdir)
+    logging.info("GLIBC_TUNABLES=%s (espo_jax.host_memory)", os.environ.get("GLIBC_TUNABLES", ""),
+                 extra=console.FILE_ONLY)
     if config.mode == "rollout":
         from espo_jax.rollout import worker
 

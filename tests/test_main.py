@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from espo_jax import host_memory
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -86,6 +88,12 @@ def test_default_console_is_short_and_the_log_file_keeps_everything(tmp_path):
     log = (workdir / "log.txt").read_text()
     assert "checkpoint_manager.py" in log and "RL step 3/3" in log
     assert "on 8 validation prompts" in log and "test accuracy after 3 RL steps" in log
+    # The job restarted itself under glibc's huge pages where this machine takes them.
+    wanted = host_memory.huge_pages_env(os.environ, host_memory.thp_mode(),
+                                        host_memory.glibc_version())
+    tunables = os.environ.get("GLIBC_TUNABLES", "") if wanted is None else wanted[
+        "GLIBC_TUNABLES"]
+    assert f"GLIBC_TUNABLES={tunables} (espo_jax.host_memory)" in log
     summary = json.loads((workdir / "summary.json").read_text())
     assert "test accuracy (end)" in text
     assert summary["test_accuracy"] == summary["test"]["eval/accuracy"]
