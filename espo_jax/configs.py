@@ -417,8 +417,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 errors.append(f"config.{key} has levels {bad} outside 1..{n_levels} (the levels "
                               f"of config.data.levels)")
     if not errors:
-        one_device = (config.mesh.data * config.mesh.fsdp * config.mesh.expert
-                      * config.mesh.tensor == 1)
+        mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
+        one_device = mesh == 1
         rows = config.rollout.prompts_per_step * config.zve.n_samples
         per_update = rows // config.train.updates_per_batch
         if rows % config.train.updates_per_batch:
@@ -473,7 +473,6 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 f"anchor rows {anchor_rows} (train.anchor_rows, or warmstart.batch_size when 0) "
                 f"not divisible by train.grad_threads = {config.train.grad_threads} (a one-device "
                 "mesh splits the anchor's rows like the update's)")
-        mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
         if mesh > n_devices:
             errors.append(
                 f"mesh data*fsdp*expert*tensor = {mesh} but only {n_devices} devices are visible"

@@ -58,9 +58,9 @@ def huge_pages_env(environ: Mapping[str, str], thp: str | None,
     GLIBC_TUNABLES), or None when there is nothing to do (see the module docstring)."""
     if environ.get(OFF_SWITCH, "1") == "0" or huge_pages_set(environ):
         return None
-    tunables = environ.get("GLIBC_TUNABLES", "")
     if glibc is None or glibc < (2, 35) or thp != "madvise":
         return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
     return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, f"{TUNABLE}=1"]))}
 
 
