@@ -11,8 +11,9 @@ maps and for its heap: ~1,000-6,000 faults and ~55 ms a call, and the step 10-20
 glibc reads its tunables at process start only, so `reexec_with_huge_pages()` starts the
 process again, in place (the same pid, arguments and open files), with the tunable added to
 `GLIBC_TUNABLES`. The entry points (`python -m espo_jax.main`, `python -m
-espo_jax.rollout.worker`, `python -m espo_jax.bench`, except bench peers, which times TRL and
-torch in its own process) call it before anything else; library code never does. It does
+espo_jax.rollout.worker`, `python -m espo_jax.bench`) call it before anything else; library
+code never does. `without_huge_pages` gives a child glibc's defaults (bench peers' TRL and
+torch side). It does
 nothing when `ESPO_JAX_HUGE_PAGES=0`, when the tunable is already set (by a user or the first
 start), without glibc >= 2.35 (the tunable's first release), or unless the kernel's
 transparent huge pages are in `madvise` mode (`always` already gives them, `never` cannot).
@@ -67,6 +68,18 @@ def huge_pages_env(environ: Mapping[str, str], thp: str | None,
 def huge_pages_set(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process runs with the tunable set (to anything: a user's 0 counts)."""
     return TUNABLE in environ.get("GLIBC_TUNABLES", "")
+
+
+def without_huge_pages(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` for a child that should run with glibc's allocator defaults: the tunable taken
+    out of GLIBC_TUNABLES (the other tunables kept; the variable dropped if nothing is left),
+    and the off switch set, so that an espo_jax entry point started there does not restart."""
+    env = {**environ, OFF_SWITCH: "0"}
+    kept = [t for t in env.pop("GLIBC_TUNABLES", "").split(":")
+            if t and t.split("=")[0] != TUNABLE]
+    if kept:
+        env["GLIBC_TUNABLES"] = ":".join(kept)
+    return env
 
 
 def reexec_with_huge_pages() -> None:

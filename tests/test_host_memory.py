@@ -66,6 +66,16 @@ def test_env_leaves_the_process_alone(environ, thp, glibc):
     assert host_memory.huge_pages_env(environ, thp, glibc) is None
 
 
+def test_child_env_without_the_tunable_keeps_the_rest():
+    env = host_memory.without_huge_pages({"PATH": "/bin", "GLIBC_TUNABLES":
+                                          "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"})
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2",
+                   "ESPO_JAX_HUGE_PAGES": "0"}  # and no restart in an entry point there
+    env = host_memory.without_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert env == {"ESPO_JAX_HUGE_PAGES": "0"}
+    assert host_memory.huge_pages_env(env, MADVISE, GLIBC) is None
+
+
 def test_thp_mode_reads_the_bracketed_choice(tmp_path):
     path = tmp_path / "enabled"
     path.write_text("always [madvise] never\n")

@@ -23,11 +23,6 @@ _BUDGET = flags.DEFINE_integer("budget", None, "zve: generated tokens per config
                                lower_bound=1)
 _PROMPTS = flags.DEFINE_integer("prompts", None, "zve: RL prompt pool size", lower_bound=1)
 OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS}}
-# Benchmarks run under glibc's huge pages as the main job does (`espo_jax.host_memory`), except
-# these: bench peers times TRL and torch in its own process, and the tunable slows TRL's step
-# on the 2-core CPU, so both sides keep glibc's defaults there (espo_jax's side is the slower
-# for it: a conservative comparison).
-NO_HUGE_PAGES = ("peers",)
 
 
 def main(argv: list[str]) -> int:
@@ -42,10 +37,11 @@ def main(argv: list[str]) -> int:
         raise app.UsageError(f"--{', --'.join(foreign)}: not a flag of the {name} benchmark")
     if _INIT_FROM.value and not os.path.isdir(_INIT_FROM.value):
         raise app.UsageError(f"--init_from {_INIT_FROM.value!r} is not a directory")
-    if name not in NO_HUGE_PAGES:
-        from espo_jax import host_memory
+    from espo_jax import host_memory
 
-        host_memory.reexec_with_huge_pages()  # as the main job runs (a restart)
+    # under glibc's huge pages as the main job runs (a restart); bench peers starts its peers
+    # in a child process with glibc's defaults (`espo_jax.bench.peer_process`)
+    host_memory.reexec_with_huge_pages()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from espo_jax import console
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from espo_jax.bench import format_table
 from espo_jax.bench.model import interleaved_medians
+from espo_jax.bench.peer_process import hf_generator
 from espo_jax.models import get_preset, hf_io, init_params
 from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import RewardPool
@@ -58,30 +59,9 @@ def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def _hf_generate(config, params, prompts: list[list[int]], new_tokens: int):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     with tempfile.TemporaryDirectory() as path:
         hf_io.save_pretrained(config, params, path, dtype="float32")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.as_tensor(np.array(prompts), dtype=torch.long)
-    kw = dict(
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-
-    def generate(sample: bool = True) -> np.ndarray:
-        with torch.no_grad():
-            if sample:
-                out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, **kw)
-            else:
-                out = model.generate(ids, do_sample=False, **kw)
-        return out[:, ids.shape[1] :].numpy()
-
-    return generate, torch.get_num_threads()
+        return hf_generator(path, prompts, new_tokens)
 
 
 def throughput(config, params, engines, batch, prompt_len, new_tokens, repeats) -> dict:

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from espo_jax.bench import format_table, median_time
+from espo_jax.bench.peer_process import torch_train_stepper
 from espo_jax.models import ModelConfig, forward, get_preset, hf_io, init_params
 from espo_jax.train import step as step_lib
 
@@ -132,38 +133,25 @@ def _jax_stepper(config: ModelConfig, params: dict, tokens: np.ndarray,
 
 def _torch_stepper(config: ModelConfig, params: dict, tokens: np.ndarray) -> tuple[Any, dict]:
     """The same for transformers + torch, on the weights exported with `hf_io.save_pretrained`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     with tempfile.TemporaryDirectory() as path:
         hf_io.save_pretrained(config, params, path, dtype="float32")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
-
-    def run() -> float:
-        opt.zero_grad(set_to_none=True)
-        loss = model(tokens, labels=tokens, output_router_logits=True).loss
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    loss0 = run()  # also the warm-up
-    return run, {"loss0": loss0, "attn_impl": model.config._attn_implementation,
-                 "experts_impl": model.config._experts_implementation,
-                 "torch_threads": torch.get_num_threads()}
+        return torch_train_stepper(path, tokens, LEARNING_RATE)
 
 
-def interleaved_medians(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+def interleaved_medians(fns: dict[str, Any], repeats: int, block: int = 1) -> dict[str, float]:
     """Median seconds of each fn, timed in alternation (a, b, a, b, ...) so that both see the
-    same machine load; on a shared CPU this keeps the ratio steadier than two separate runs."""
+    same machine load; on a shared CPU this keeps the ratio steadier than two separate runs.
+    With `block` > 1 each fn runs that many times in a row per turn (`repeats` in all, a
+    multiple of `block`): back to back, as a training run's steps run."""
+    if repeats % block:
+        raise ValueError(f"repeats {repeats} is not a multiple of block {block}")
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    for _ in range(repeats // block):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            for _ in range(block):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

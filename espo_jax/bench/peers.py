@@ -8,9 +8,15 @@ The workload is the one TRL's own GRPO tests use, scaled to a CPU: a random `tra
 saved with `save_pretrained` and read into espo_jax with `hf_io.from_pretrained`, so both sides
 run the same weights. A 64-symbol character tokenizer (`PreTrainedTokenizerFast`; its eos/pad
 marker is id 64, which the model cannot emit, so every response has exactly the new-token budget
-on both sides). In one process, the two sides timed in alternation (an espo_jax repeat after each
-peer repeat, so drift in the machine's speed lands on both), medians of repeats after warm-up,
-compile / first-call time reported apart:
+on both sides). Each side runs as its users run it: espo_jax in the benchmark's process, which
+restarts under glibc's huge-page tunable as every espo_jax entry point does
+(`espo_jax.host_memory`); TRL, transformers and torch in a child process under glibc's
+defaults (`espo_jax.bench.peer_process`: the tunable slows TRL's step on the 2-core CPU). The
+two sides are timed in alternation, one request at a time over a pipe, in turns of 3 repeats
+back to back, as a training run's steps run (the drift in the machine's speed lands on both;
+the side not running waits on a read; a lone repeat right after the other side's turn runs
+slower on both sides), medians of 15 repeats after warm-up, compile / first-call time
+reported apart:
 
 (a) GRPO step: 8 prompts x 8 samples of 16 prompt + 32 new tokens, temperature 1, reward =
     fraction of even token ids in the response, GRPO advantages, beta 0, one AdamW update per
@@ -18,23 +24,18 @@ compile / first-call time reported apart:
     log-probs and routing recorded) + the `Learner` update (GRPO loss, router replay R3).
     TRL: `GRPOTrainer` (loss_type "grpo", num_iterations 1, HF `generate`); its step is timed
     by a callback from `on_step_begin` to `on_step_end` (generation, reward, loss, backward,
-    optimizer); an espo_jax step runs after each TRL step, outside TRL's timed window.
+    optimizer); espo_jax's turn runs after each turn of TRL's, outside TRL's timed window.
 (b) Generation: 64 sequences x 48 new tokens after 16-token prompts, sampling at temperature 1:
-    `Engine.generate_groups` against `model.generate(do_sample=True)` (`bench.engine`'s, on
-    the weights exported back with `hf_io.save_pretrained`).
+    `Engine.generate_groups` against `model.generate(do_sample=True)` on the saved model
+    (the peer's time: the parent's clock around the request, a pipe round trip included).
 (c) Train step: next-token cross-entropy + router aux loss, forward + backward + AdamW on
-    64 x 64 tokens, against the same in torch (`bench.model`'s steppers). espo_jax's as the
+    64 x 64 tokens, against the same in transformers + torch. espo_jax's as the
     learner runs an update (`train.grad_threads` parts of the rows, their gradients at once on
     as many threads, one AdamW update); one `jax.jit` program on all rows is timed beside it
     (`jax_one_program_tokens_per_s`).
 
 Each prints achieved model FLOP/s (PaLM's 6N + 12LHAT per trained token, 2N + attention per
 generated token) against the peak of a jitted fp32 `jnp.dot` measured in the same process.
-
-`python -m espo_jax.bench peers` runs with glibc's allocator defaults, not under the huge-page
-tunable the main job restarts with (`espo_jax.host_memory`): both sides share this process, and
-the tunable slows TRL's step on the 2-core CPU while it speeds up espo_jax's update, so the
-figures here are conservative for espo_jax (experiments/results/README.md, "Huge pages").
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -52,15 +52,14 @@ import numpy as np
 
 from espo_jax import configs, host_memory, sharding
 from espo_jax.bench import format_table
-from espo_jax.bench.engine import _hf_generate
 from espo_jax.bench.model import (
     _jax_stepper,
-    _torch_stepper,
     interleaved_medians,
     matmul_params_per_token,
     peak_matmul_flops,
     train_flops_per_token,
 )
+from espo_jax.bench.peer_process import PeerProcess, even_fraction
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig
@@ -118,12 +117,6 @@ def prompt_texts(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     return ["".join(SYMBOLS[i] for i in rng.integers(0, len(SYMBOLS), PROMPT_LEN))
             for _ in range(n)]
-
-
-def even_fraction(ids) -> float:
-    """The reward: the fraction of even token ids in a response."""
-    ids = np.asarray(ids)
-    return float(np.mean(ids % 2 == 0)) if ids.size else 0.0
 
 
 def generate_flops_per_token(config: ModelConfig, context: int) -> int:
@@ -217,63 +210,21 @@ def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[in
     return generate
 
 
-# ---- the peers ----------------------------------------------------------------------------------
-def trl_grpo_seconds(model_dir: str, prompts: list[str], steps: int, out_dir: str,
-                     between: Callable[[], object] | None = None):
-    """Per-step seconds of TRL's GRPOTrainer on the workload (first step included).
-    `between()`, if given, runs after each step has been timed (outside the timed window)."""
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    class StepTimer(TrainerCallback):
-        """Each optimizer step's wall seconds (generation, reward, loss, backward, update)."""
-
-        def __init__(self):
-            self.seconds: list[float] = []
-            self._t = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self._t)
-            if between is not None:
-                between()
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = datasets.Dataset.from_dict({"prompt": prompts * (steps + 1)})
-
-    def reward(completions, completion_ids, **kwargs):
-        return [even_fraction(ids) for ids in completion_ids]
-
-    args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, report_to="none", save_strategy="no",
-        logging_steps=1, max_steps=steps, per_device_train_batch_size=PROMPTS * SAMPLES,
-        gradient_accumulation_steps=1, num_generations=SAMPLES,
-        max_completion_length=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
-        num_iterations=1, loss_type="grpo", learning_rate=LEARNING_RATE, lr_scheduler_type=
-        "constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, bf16=False,
-        dataloader_num_workers=0, shuffle_dataset=False, log_completions=False,
-        disable_tqdm=True, seed=0,
-    )
-    timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[timer])
-    trainer.train()
-    return timer.seconds, {"trl_threads": torch.get_num_threads()}
-
-
 def run(quick: bool) -> dict:
-    repeats = 3 if quick else 7
+    # Each side runs `block` repeats back to back per turn, as a training run's steps run (a
+    # single repeat right after the other side's turn runs slower, on both sides); GRPO: both
+    # sides' first block (compiles, caches and allocators filling) is recorded but left out of
+    # the medians, as are generation's and the train step's warm-ups.
+    repeats, block = (3, 1) if quick else (15, 3)
+    warmup = block
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
-    figures: dict[str, Any] = {"peak_matmul_flops": peak, "repeats": repeats,
+    figures: dict[str, Any] = {"peak_matmul_flops": peak, "repeats": repeats, "block": block,
                                "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
-                               "huge_pages": host_memory.huge_pages_set()}
-    with tempfile.TemporaryDirectory() as tmp:
+                               "huge_pages": host_memory.huge_pages_set(),
+                               "peers_huge_pages": False}
+    with (tempfile.TemporaryDirectory() as tmp,
+          PeerProcess(host_memory.without_huge_pages(os.environ)) as peer):
         model_dir = os.path.join(tmp, "model")
         save_workload_model(model_dir)
         model_config, params = hf_io.from_pretrained(model_dir)
@@ -292,34 +243,49 @@ def run(quick: bool) -> dict:
         espo_first = time.perf_counter() - t0
         espo_steps, splits = [], []
 
-        def espo_step() -> None:  # after each TRL step: the two alternate
-            espo_steps.append(espo.step())
-            splits.append(espo.last)
+        trl_steps = [0]
 
-        trl_secs, trl_info = trl_grpo_seconds(model_dir, texts, repeats + 1,
-                                              os.path.join(tmp, "trl"), between=espo_step)
-        espo_steps, splits = espo_steps[1:], splits[1:]  # as TRL's first step, left out
+        def espo_turn() -> None:  # after each TRL step; a turn after each turn of TRL's
+            trl_steps[0] += 1
+            if trl_steps[0] % block:
+                return
+            for _ in range(block):
+                espo_steps.append(espo.step())
+                splits.append(espo.last)
+
+        trl = peer.trl(espo_turn, model_dir=model_dir, prompts=texts, steps=warmup + repeats,
+                       out_dir=os.path.join(tmp, "trl"), lr=LEARNING_RATE,
+                       new_tokens=NEW_TOKENS, samples=SAMPLES)
+        trl_secs = trl["seconds"]
+        espo_warmup = espo_steps[:warmup]
+        espo_steps, splits = espo_steps[warmup:], splits[warmup:]  # as TRL's, left out
         grpo = {
             "espo_step_s": statistics.median(espo_steps),
             "espo_rollout_s": statistics.median(s["rollout_s"] for s in splits),
             "espo_update_s": statistics.median(s["update_s"] for s in splits),
-            "espo_first_step_s": espo_first, "trl_step_s": statistics.median(trl_secs[1:]),
+            "espo_first_step_s": espo_first, "trl_step_s": statistics.median(trl_secs[warmup:]),
             "trl_first_step_s": trl_secs[0], "espo_steps_s": espo_steps,
-            "trl_steps_s": trl_secs[1:], **trl_info,
+            "trl_steps_s": trl_secs[warmup:], "espo_warmup_steps_s": espo_warmup,
+            "trl_warmup_steps_s": trl_secs[:warmup], "trl_threads": trl["trl_threads"],
         }
         grpo["espo_over_trl"] = grpo["trl_step_s"] / grpo["espo_step_s"]
         figures["grpo_step"] = grpo
 
-        # (b) generation
+        # the peers' generation and train step, on the saved model (warmed up in the child)
         gen_prompts = [tok.encode(t) for t in prompt_texts(GEN_SEQS, seed=1)]
+        tokens = np.random.default_rng(2).integers(0, len(SYMBOLS), (TRAIN_B, TRAIN_T),
+                                                   dtype=np.int32)
+        th = peer.request("load", model_dir=model_dir, gen_prompts=gen_prompts,
+                          gen_new=GEN_NEW, train_tokens=tokens.tolist(), lr=LEARNING_RATE)
+
+        # (b) generation
         espo_gen = espo_generate(model_config, params, gen_prompts)
-        hf_gen, _ = _hf_generate(model_config, params, gen_prompts, GEN_NEW)
         t0 = time.perf_counter()
         n_tokens = espo_gen()
         espo_gen_first = time.perf_counter() - t0
         assert n_tokens == GEN_SEQS * GEN_NEW, n_tokens
-        hf_gen()  # warm-up
-        gen_s = interleaved_medians({"espo": espo_gen, "hf": hf_gen}, repeats)
+        gen_s = interleaved_medians({"espo": espo_gen, "hf": lambda: peer.request("generate")},
+                                    repeats, block)
         espo_gen_s, hf_gen_s = gen_s["espo"], gen_s["hf"]
         gen_flops = sum(generate_flops_per_token(model_config, PROMPT_LEN + t)
                         for t in range(GEN_NEW)) * GEN_SEQS
@@ -329,15 +295,13 @@ def run(quick: bool) -> dict:
         figures["generation"] = gen
 
         # (c) train step
-        tokens = np.random.default_rng(2).integers(0, len(SYMBOLS), (TRAIN_B, TRAIN_T),
-                                                   dtype=np.int32)
         threads = configs.default_config().train.grad_threads
         jax_step, jx = _jax_stepper(model_config, params, tokens, threads=threads)
         one_step, _ = _jax_stepper(model_config, params, tokens)
-        torch_step, th = _torch_stepper(model_config, params, tokens)
-        jax_step(), one_step(), torch_step()  # warm-up
-        train_s = interleaved_medians({"jax": jax_step, "one": one_step, "torch": torch_step},
-                                      repeats)
+        jax_step(), one_step()  # warm-up
+        train_s = interleaved_medians(
+            {"jax": jax_step, "one": one_step, "torch": lambda: peer.request("train")}, repeats,
+            block)
         jax_s, torch_s = train_s["jax"], train_s["torch"]
         flops = train_flops_per_token(model_config, TRAIN_T) * TRAIN_B * TRAIN_T
         train = {"jax_tokens_per_s": TRAIN_B * TRAIN_T / jax_s,
@@ -356,8 +320,10 @@ def run(quick: bool) -> dict:
     print(f"peak fp32 jnp.dot: {peak / 1e9:.0f} GFLOP/s; {os.cpu_count()} CPUs; load average "
           f"{figures['load_average_start'][0]:.1f} at start, {figures['load_average_end'][0]:.1f}"
           f" at end; model {figures['params'] / 1e6:.2f}M parameters "
-          f"({figures['active_params'] / 1e6:.2f}M active); medians of {repeats}; glibc huge "
-          f"pages {'on' if figures['huge_pages'] else 'off'}")
+          f"({figures['active_params'] / 1e6:.2f}M active); medians of {repeats} in turns of "
+          f"{block}; glibc huge "
+          f"pages {'on' if figures['huge_pages'] else 'off'} for espo_jax, off for the peers "
+          f"(their own process)")
     print(format_table(
         ["workload", "espo_jax", "peer", "espo / peer", "espo_jax FLOP/s of peak"],
         [[f"GRPO step ({PROMPTS}x{SAMPLES}, {NEW_TOKENS} new tokens, 1 AdamW update)",

@@ -1,11 +1,14 @@
 """`bench peers`' workload: the same model and tokens on both sides, a GRPO step of each."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 import torch
 
-from espo_jax.bench import peers
+from espo_jax import host_memory
+from espo_jax.bench import peer_process, peers
 from espo_jax.models import forward, hf_io
 
 
@@ -56,7 +59,54 @@ def test_a_grpo_step_on_each_side(workload, tmp_path):
                              strict=True)]
     assert max(moved) > 0
     between = []  # the benchmark alternates: an espo_jax step after each TRL step
-    seconds, info = peers.trl_grpo_seconds(workload, texts, 1, str(tmp_path / "trl"),
-                                           between=lambda: between.append(1))
+    seconds, info = peer_process.trl_grpo_seconds(
+        workload, texts, 1, str(tmp_path / "trl"), peers.LEARNING_RATE, peers.NEW_TOKENS,
+        peers.SAMPLES, between=between.append)
     assert len(seconds) == 1 and seconds[0] > 0 and info["trl_threads"] >= 1
-    assert between == [1]
+    assert between == seconds
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [x.decode().split("=", 1) for x in f.read().split(b"\0") if b"=" in x]
+    return dict(pairs)
+
+
+def test_the_peers_run_in_their_own_process_under_glibc_defaults(workload, tmp_path):
+    """bench peers' child: started without the huge-page tunable (other tunables kept), it
+    answers each request in turn, runs TRL one step at a time (the parent's step between),
+    and a failing request surfaces as an error naming the child's exception."""
+    tok = peers.char_tokenizer()
+    gen_prompts = [tok.encode(t) for t in peers.prompt_texts(4, seed=1)]
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=4"}
+    with peer_process.PeerProcess(host_memory.without_huge_pages(env)) as peer:
+        if os.path.exists(f"/proc/{peer._proc.pid}/environ"):
+            child = _environ(peer._proc.pid)
+            assert child["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=4"
+            assert child[host_memory.OFF_SWITCH] == "0"
+        info = peer.request("load", model_dir=workload, gen_prompts=gen_prompts, gen_new=5,
+                            train_tokens=tokens.tolist(), lr=1e-5)
+        # the torch step's first loss: next-token cross-entropy of a random model over 64
+        # symbols (ln 64 = 4.16) plus the router aux loss (~0.001 * k = 0.002)
+        assert abs(info["loss0"] - np.log(64)) < 0.1 and info["torch_threads"] >= 1
+        assert peer.request("generate") == {"ok": True} == peer.request("train")
+        between = []
+        trl = peer.trl(lambda: between.append(1), model_dir=workload,
+                       prompts=peers.prompt_texts(2), steps=2, out_dir=str(tmp_path / "trl"),
+                       lr=1e-5, new_tokens=4, samples=2)
+        assert len(trl["seconds"]) == 2 and min(trl["seconds"]) > 0 and between == [1, 1]
+        with pytest.raises(RuntimeError, match="unknown request 'nonsense'"):
+            peer.request("nonsense")
+        assert peer._proc.wait(timeout=30) == 1
+
+
+def test_sides_alternate_in_turns_of_back_to_back_repeats():
+    from espo_jax.bench.model import interleaved_medians
+
+    calls = []
+    medians = interleaved_medians({"a": lambda: calls.append("a"),
+                                   "b": lambda: calls.append("b")}, repeats=6, block=3)
+    assert "".join(calls) == "aaabbbaaabbb" and set(medians) == {"a", "b"}
+    with pytest.raises(ValueError, match="repeats 5 is not a multiple of block 3"):
+        interleaved_medians({"a": lambda: None}, repeats=5, block=3)
