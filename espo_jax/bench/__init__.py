@@ -7,6 +7,7 @@ to `--out` as JSON. A benchmark's own flags (zve's `--init_from`, `--budget`, `-
 defined in the runner too and reach its `run` as keyword arguments.
 """
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -40,3 +41,22 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def cpu_times(path: str = "/proc/stat") -> dict[str, float] | None:
+    """The machine's CPU seconds so far, all CPUs summed: busy, idle and steal (time the
+    hypervisor gave this VM's CPUs to others while they had work). None where the file is
+    missing (not Linux). Two readings' difference says how much of a benchmark's wall time
+    the machine itself lost: a run with steal is noisier than one without."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:]] + [0] * 8
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks[:8]
+    return {"busy_s": (user + nice + system + irq + softirq) / hz,
+            "idle_s": (idle + iowait) / hz, "steal_s": steal / hz}

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from espo_jax import configs, host_memory, sharding
-from espo_jax.bench import format_table
+from espo_jax.bench import cpu_times, format_table
 from espo_jax.bench.model import (
     _jax_stepper,
     interleaved_medians,
@@ -219,6 +219,7 @@ def run(quick: bool) -> dict:
     warmup = block
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
+    cpu_start = cpu_times()
     figures: dict[str, Any] = {"peak_matmul_flops": peak, "repeats": repeats, "block": block,
                                "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
                                "huge_pages": host_memory.huge_pages_set(),
@@ -315,6 +316,11 @@ def run(quick: bool) -> dict:
         train["jax_over_torch"] = train["jax_tokens_per_s"] / train["torch_tokens_per_s"]
         figures["train_step"] = train
     figures["load_average_end"] = os.getloadavg()
+    cpu_end = cpu_times()
+    if cpu_start and cpu_end:  # the machine's CPU seconds over the run, and steal's share
+        spent = {k: cpu_end[k] - cpu_start[k] for k in cpu_start}
+        figures["cpu_seconds"] = spent
+        figures["steal_frac"] = spent["steal_s"] / max(sum(spent.values()), 1e-9)
 
     g, ge, tr = grpo, gen, train
     print(f"peak fp32 jnp.dot: {peak / 1e9:.0f} GFLOP/s; {os.cpu_count()} CPUs; load average "
@@ -323,7 +329,8 @@ def run(quick: bool) -> dict:
           f"({figures['active_params'] / 1e6:.2f}M active); medians of {repeats} in turns of "
           f"{block}; glibc huge "
           f"pages {'on' if figures['huge_pages'] else 'off'} for espo_jax, off for the peers "
-          f"(their own process)")
+          f"(their own process); CPU time stolen by the hypervisor "
+          f"{100 * figures.get('steal_frac', 0.0):.1f}%")
     print(format_table(
         ["workload", "espo_jax", "peer", "espo / peer", "espo_jax FLOP/s of peak"],
         [[f"GRPO step ({PROMPTS}x{SAMPLES}, {NEW_TOKENS} new tokens, 1 AdamW update)",

@@ -110,3 +110,14 @@ def test_sides_alternate_in_turns_of_back_to_back_repeats():
     assert "".join(calls) == "aaabbbaaabbb" and set(medians) == {"a", "b"}
     with pytest.raises(ValueError, match="repeats 5 is not a multiple of block 3"):
         interleaved_medians({"a": lambda: None}, repeats=5, block=3)
+
+
+def test_cpu_times_reads_busy_idle_and_steal(tmp_path):
+    from espo_jax.bench import cpu_times
+
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice, in clock ticks
+    stat.write_text(f"cpu  {3 * hz} 0 {hz} {10 * hz} {hz} 0 0 {2 * hz} 0 0\ncpu0 1 2 3\n")
+    assert cpu_times(str(stat)) == {"busy_s": 4.0, "idle_s": 11.0, "steal_s": 2.0}
+    assert cpu_times(str(tmp_path / "missing")) is None
