@@ -14,9 +14,9 @@ answers on its stdout, which carries nothing else (the libraries' own prints go 
   generator and the train step on the saved model; answers the torch step's first loss and
   torch's settings.
 - {"op": "generate"} / {"op": "train"}: one call; answers {"ok": true} when it is done.
-- {"op": "trl", "model_dir", "prompts", "steps", "out_dir", "lr"}: runs `GRPOTrainer`; after each
-  step it sends {"step_s": seconds} and waits for {"op": "continue"}; at the end it answers
-  {"seconds": [...], "trl_threads": n}.
+- {"op": "trl", "model_dir", "prompts", "steps", "out_dir", "lr", "new_tokens", "samples"}: runs
+  `GRPOTrainer` (`trl_grpo_seconds`); after each step it sends {"step_s": seconds} and waits
+  for {"op": "continue"}; at the end it answers {"seconds": [...], "trl_threads": n}.
 A request that fails is answered {"error": traceback} and the child exits with status 1.
 
 This module imports neither jax nor espo_jax's JAX code, so the child holds no XLA runtime.
