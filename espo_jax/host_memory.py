@@ -70,6 +70,14 @@ def huge_pages_set(environ: Mapping[str, str] = os.environ) -> bool:
     return TUNABLE in environ.get("GLIBC_TUNABLES", "")
 
 
+def huge_pages_on(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether glibc advises huge pages in this process: the tunable set, and not to 0 (what
+    the benchmarks report; a user's `hugetlb=0` is set but off)."""
+    values = [t.split("=", 1)[1] for t in environ.get("GLIBC_TUNABLES", "").split(":")
+              if t.startswith(TUNABLE + "=")]
+    return bool(values) and values[-1] != "0"
+
+
 def without_huge_pages(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` for a child that should run with glibc's allocator defaults: the tunable taken
     out of GLIBC_TUNABLES (the other tunables kept; the variable dropped if nothing is left),

@@ -76,6 +76,14 @@ def test_child_env_without_the_tunable_keeps_the_rest():
     assert host_memory.huge_pages_env(env, MADVISE, GLIBC) is None
 
 
+@pytest.mark.parametrize("tunables,on", [
+    ("glibc.malloc.hugetlb=1", True), ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2", True),
+    ("glibc.malloc.hugetlb=0", False),  # set by a user, but off
+    ("glibc.malloc.arena_max=2", False), ("", False)])
+def test_huge_pages_on_reads_the_tunable_s_value(tunables, on):
+    assert host_memory.huge_pages_on({"GLIBC_TUNABLES": tunables}) is on
+
+
 def test_thp_mode_reads_the_bracketed_choice(tmp_path):
     path = tmp_path / "enabled"
     path.write_text("always [madvise] never\n")

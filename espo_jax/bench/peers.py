@@ -222,7 +222,7 @@ def run(quick: bool) -> dict:
     cpu_start = cpu_times()
     figures: dict[str, Any] = {"peak_matmul_flops": peak, "repeats": repeats, "block": block,
                                "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
-                               "huge_pages": host_memory.huge_pages_set(),
+                               "huge_pages": host_memory.huge_pages_on(),
                                "peers_huge_pages": False}
     with (tempfile.TemporaryDirectory() as tmp,
           PeerProcess(host_memory.without_huge_pages(os.environ)) as peer):

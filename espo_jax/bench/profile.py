@@ -305,7 +305,7 @@ def profile(name: str, program, repeats: int, traced_calls: int, peak: float) ->
                # buffers XLA allocates afresh each call (espo_jax.host_memory).
                "minor_faults_per_call": (after.ru_minflt - before.ru_minflt) / repeats,
                "system_s_per_call": (after.ru_stime - before.ru_stime) / repeats,
-               "huge_pages": host_memory.huge_pages_set()}
+               "huge_pages": host_memory.huge_pages_on()}
     figures.update(breakdown(traced_op_seconds(call, traced_calls), modules, traced_calls))
     matmul_ms = figures["by_kind_ms"].get("matmul", 0.0)
     total_ms = figures["thread_ms_per_call"]
