@@ -81,12 +81,13 @@ def test_the_peers_run_in_their_own_process_under_glibc_defaults(workload, tmp_p
     tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=4"}
     with peer_process.PeerProcess(host_memory.without_huge_pages(env)) as peer:
+        info = peer.request("load", model_dir=workload, gen_prompts=gen_prompts, gen_new=5,
+                            train_tokens=tokens.tolist(), lr=1e-5)
+        # read once it has answered: before its exec a fresh child shows its parent's environment
         if os.path.exists(f"/proc/{peer._proc.pid}/environ"):
             child = _environ(peer._proc.pid)
             assert child["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=4"
             assert child[host_memory.OFF_SWITCH] == "0"
-        info = peer.request("load", model_dir=workload, gen_prompts=gen_prompts, gen_new=5,
-                            train_tokens=tokens.tolist(), lr=1e-5)
         # the torch step's first loss: next-token cross-entropy of a random model over 64
         # symbols (ln 64 = 4.16) plus the router aux loss (~0.001 * k = 0.002)
         assert abs(info["loss0"] - np.log(64)) < 0.1 and info["torch_threads"] >= 1
