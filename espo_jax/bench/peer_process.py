@@ -186,15 +186,21 @@ class PeerProcess:
             [sys.executable, "-m", "espo_jax.bench.peer_process"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=dict(environ), text=True, bufsize=1)
 
+    def _ended(self) -> RuntimeError:
+        return RuntimeError(f"the peer process ended (status {self._proc.wait()}) without an "
+                            f"answer; its stderr is above")
+
     def _send(self, obj: dict) -> None:
-        self._proc.stdin.write(json.dumps(obj) + "\n")
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(json.dumps(obj) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._ended() from None
 
     def _answer(self) -> dict:
         line = self._proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the peer process ended (status {self._proc.wait()}) without "
-                               f"an answer; its stderr is above")
+            raise self._ended()
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"the peer process failed:\n{answer['error']}")
@@ -212,9 +218,17 @@ class PeerProcess:
         return answer
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.stdin.close()
+        """Ends the child (end of its requests; killed if it has not exited a minute later)."""
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            try:
+                pipe.close()
+            except BrokenPipeError:
+                pass
+        try:
             self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
     def __enter__(self) -> PeerProcess:
         return self

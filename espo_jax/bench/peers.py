@@ -213,8 +213,9 @@ def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[in
 def run(quick: bool) -> dict:
     # Each side runs `block` repeats back to back per turn, as a training run's steps run (a
     # single repeat right after the other side's turn runs slower, on both sides); GRPO: both
-    # sides' first block (compiles, caches and allocators filling) is recorded but left out of
-    # the medians, as are generation's and the train step's warm-ups.
+    # sides' first turn (caches and allocators filling) is recorded but left out of the
+    # medians, as are generation's and the train step's warm-ups; espo_jax's compiling step
+    # runs before the turns (its first-call time).
     repeats, block = (3, 1) if quick else (15, 3)
     warmup = block
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -258,6 +259,9 @@ def run(quick: bool) -> dict:
                        out_dir=os.path.join(tmp, "trl"), lr=LEARNING_RATE,
                        new_tokens=NEW_TOKENS, samples=SAMPLES)
         trl_secs = trl["seconds"]
+        if not len(trl_secs) == len(espo_steps) == warmup + repeats:
+            raise RuntimeError(f"GRPO turns out of step: {len(trl_secs)} TRL and "
+                               f"{len(espo_steps)} espo_jax steps, {warmup + repeats} expected")
         espo_warmup = espo_steps[:warmup]
         espo_steps, splits = espo_steps[warmup:], splits[warmup:]  # as TRL's, left out
         grpo = {

@@ -100,6 +100,8 @@ def test_the_peers_run_in_their_own_process_under_glibc_defaults(workload, tmp_p
         with pytest.raises(RuntimeError, match="unknown request 'nonsense'"):
             peer.request("nonsense")
         assert peer._proc.wait(timeout=30) == 1
+        with pytest.raises(RuntimeError, match=r"peer process ended \(status 1\)"):
+            peer.request("generate")  # a child that has exited: the same clear error
 
 
 def test_sides_alternate_in_turns_of_back_to_back_repeats():
