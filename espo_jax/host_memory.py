@@ -65,16 +65,24 @@ def huge_pages_env(environ: Mapping[str, str], thp: str | None,
     return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, f"{TUNABLE}=1"]))}
 
 
+def _tunables(environ: Mapping[str, str]) -> list[str]:
+    """GLIBC_TUNABLES' entries (`name=value`), in order."""
+    return [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+
+
+def _ours(entry: str) -> bool:
+    return entry.partition("=")[0] == TUNABLE
+
+
 def huge_pages_set(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this process runs with the tunable set (to anything: a user's 0 counts)."""
-    return TUNABLE in environ.get("GLIBC_TUNABLES", "")
+    return any(map(_ours, _tunables(environ)))
 
 
 def huge_pages_on(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether glibc advises huge pages in this process: the tunable set, and not to 0 (what
     the benchmarks report; a user's `hugetlb=0` is set but off)."""
-    values = [t.split("=", 1)[1] for t in environ.get("GLIBC_TUNABLES", "").split(":")
-              if t.startswith(TUNABLE + "=")]
+    values = [t.partition("=")[2] for t in _tunables(environ) if _ours(t)]
     return bool(values) and values[-1] != "0"
 
 
@@ -82,12 +90,9 @@ def without_huge_pages(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` for a child that should run with glibc's allocator defaults: the tunable taken
     out of GLIBC_TUNABLES (the other tunables kept; the variable dropped if nothing is left),
     and the off switch set, so that an espo_jax entry point started there does not restart."""
-    env = {**environ, OFF_SWITCH: "0"}
-    kept = [t for t in env.pop("GLIBC_TUNABLES", "").split(":")
-            if t and t.split("=")[0] != TUNABLE]
-    if kept:
-        env["GLIBC_TUNABLES"] = ":".join(kept)
-    return env
+    kept = [t for t in _tunables(environ) if not _ours(t)]
+    env = {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"} | {OFF_SWITCH: "0"}
+    return env | ({"GLIBC_TUNABLES": ":".join(kept)} if kept else {})
 
 
 def reexec_with_huge_pages() -> None:

@@ -221,12 +221,12 @@ def run(quick: bool) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
     cpu_start = cpu_times()
+    peer_env = host_memory.without_huge_pages(os.environ)  # the peers: glibc's defaults
     figures: dict[str, Any] = {"peak_matmul_flops": peak, "repeats": repeats, "block": block,
                                "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
                                "huge_pages": host_memory.huge_pages_on(),
-                               "peers_huge_pages": False}
-    with (tempfile.TemporaryDirectory() as tmp,
-          PeerProcess(host_memory.without_huge_pages(os.environ)) as peer):
+                               "peers_huge_pages": host_memory.huge_pages_on(peer_env)}
+    with tempfile.TemporaryDirectory() as tmp, PeerProcess(peer_env) as peer:
         model_dir = os.path.join(tmp, "model")
         save_workload_model(model_dir)
         model_config, params = hf_io.from_pretrained(model_dir)
@@ -332,7 +332,8 @@ def run(quick: bool) -> dict:
           f" at end; model {figures['params'] / 1e6:.2f}M parameters "
           f"({figures['active_params'] / 1e6:.2f}M active); medians of {repeats} in turns of "
           f"{block}; glibc huge "
-          f"pages {'on' if figures['huge_pages'] else 'off'} for espo_jax, off for the peers "
+          f"pages {'on' if figures['huge_pages'] else 'off'} for espo_jax, "
+          f"{'on' if figures['peers_huge_pages'] else 'off'} for the peers "
           f"(their own process); CPU time stolen by the hypervisor "
           f"{100 * figures.get('steal_frac', 0.0):.1f}%")
     print(format_table(
