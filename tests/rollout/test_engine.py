@@ -5,6 +5,8 @@ One fp32 engine and one FP8 engine (tiny model) are compiled for the module; sam
 are per-slot arrays, so greedy and sampled runs share the compiled step.
 """
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,17 +239,30 @@ def test_a_failing_shard_stops_the_other(params):
     sharded = engine_lib.Engine(CONFIG, params, sampling=SAMPLED, max_slots=2 * SLOTS,
                                 max_cache_len=CACHE, steps_per_sync=SYNC, shards=2)
 
+    failing, syncs = threading.Event(), threading.local()
+
     def on_group(g):
         if g.request_index == 0:
+            failing.set()
             raise RuntimeError("scoring failed")
 
-    # Request 0 (12 tokens, shard 1: the longer budget goes first, to shard 0) is done long
-    # before request 1's 60-token samples would be: shard 0 stops at its next sync instead of
-    # finishing them.
+    def stop() -> bool:  # polled by each shard at each sync; never asks to stop
+        # A shard's syncs after its third wait until request 0 has failed: whichever thread
+        # runs first (the other may still be compiling), the failure lands while shard 0's
+        # samples are in flight.
+        syncs.n = getattr(syncs, "n", 0) + 1
+        if syncs.n > 3:
+            failing.wait(timeout=60)
+        return False
+
+    # Request 0 (12 tokens, shard 1: the longer budget goes first, to shard 0) fails at shard
+    # 1's third sync, long before request 1's 60-token samples (15 syncs) would be done:
+    # shard 0 stops at its next sync instead of finishing them.
     requests = [engine_lib.Request("short", [5, 6], max_new_tokens=12),
                 engine_lib.Request("long", [7, 8], max_new_tokens=60)]
     with pytest.raises(RuntimeError, match="scoring failed"):
-        sharded.generate_groups(requests, n_samples=4, rng=jax.random.key(0), on_group=on_group)
+        sharded.generate_groups(requests, n_samples=4, rng=jax.random.key(0), on_group=on_group,
+                                stop=stop)
     long_shard = sharded._shards()[0]
     assert long_shard.last_stats["engine/abandoned_samples"] == 4
     assert long_shard.last_stats["engine/generated_tokens"] == 0
