@@ -13,7 +13,14 @@ Dispatch implementations (`ModelConfig.dispatch`):
   hand (a custom VJP). The fastest exact dispatch measured on CPU (2-core Intel Xeon,
   2026-12-04, the GRPO peers model's layer: 8 experts of 256, top-2): forward 0.37 / 0.98 /
   3.35 ms at 64 / 256 / 1024 tokens (gathered: 1.03 / 2.16 / 5.64); forward + backward at
-  4096 tokens 46 ms (gathered 56), the peers train step 310 ms (gathered 368).
+  4096 tokens 46 ms (gathered 56), the peers train step 310 ms (gathered 368). In small
+  batches (an expert's mean load <= 8 rows: decode steps) each expert's first few rows
+  (`first_block_size`) go through one batched product over the experts instead, the rest
+  (a skewed load) through the loop over the experts that have them: the loop's per-expert
+  weight copies and per-window ops cost more there than the idle rows' arithmetic (the same
+  layer, 2-core AMD EPYC, 2026-12-04: 32 tokens with the routes of a decode of the peers
+  model 0.28-0.31 ms against 0.36-0.38 ms looped; 16 uniformly routed tokens 0.13 against
+  0.37 ms).
 - "dropless": the same assignments, each expert's group padded to a multiple of a block of
   rows, one batched matmul over the blocks with each block's expert weights gathered: static
   shapes (A + E*(block-1) rows at most), plain autodiff; the same outputs bit for bit.
@@ -184,11 +191,12 @@ def _put_rows(buf, rows_RxD, lo, mine):
     return jax.lax.dynamic_update_slice_in_dim(buf, kept, lo, 0)
 
 
-def _windows(xs_PxD, starts_E, counts_E, w, window: int, save: bool):
+def _windows(xs_PxD, starts_E, counts_E, w, window: int, save: bool, skip_idle: bool = False):
     """SwiGLU of each expert's rows of the expert-sorted `xs_PxD` (expert i's at starts_E[i],
     counts_E[i] of them; P = rows + one window of zeros), in windows of `window` rows: a loop
     over the experts reads each expert's weights once; each runs as many windows as it has
-    rows. Returns the outputs, and with `save` also the gate and up projections."""
+    rows. Returns the outputs, and with `save` also the gate and up projections. `skip_idle`:
+    experts without rows are skipped (their weights not read), for sparse loads."""
     wg_ExDxF, wu_ExDxF, wo_ExFxD = w
     init = (jnp.zeros_like(xs_PxD),)
     if save:
@@ -207,22 +215,33 @@ def _windows(xs_PxD, starts_E, counts_E, w, window: int, save: bool):
 
         return _expert_windows(starts_E, counts_E, window, i, per_window, bufs)
 
+    if skip_idle:
+        expert = _skip_idle(expert, counts_E)
     return jax.lax.fori_loop(0, wg_ExDxF.shape[0], expert, init)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _expert_rows(xs_PxD, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD):
+def _skip_idle(expert, counts_E):
+    """`expert(i, carry)` run only for experts with rows."""
+    return lambda i, carry: jax.lax.cond(counts_E[i] > 0, functools.partial(expert, i),
+                                         lambda c: c, carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 7))
+def _expert_rows(xs_PxD, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD,
+                 skip_idle=False):
     return _windows(xs_PxD, starts_E, counts_E, (wg_ExDxF, wu_ExDxF, wo_ExFxD), window,
-                    save=False)[0]
+                    save=False, skip_idle=skip_idle)[0]
 
 
-def _expert_rows_fwd(xs_PxD, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD):
+def _expert_rows_fwd(xs_PxD, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD,
+                     skip_idle=False):
     w = (wg_ExDxF, wu_ExDxF, wo_ExFxD)
-    ys, g_PxF, u_PxF = _windows(xs_PxD, starts_E, counts_E, w, window, save=True)
+    ys, g_PxF, u_PxF = _windows(xs_PxD, starts_E, counts_E, w, window, save=True,
+                                skip_idle=skip_idle)
     return ys, (xs_PxD, starts_E, counts_E, w, g_PxF, u_PxF)
 
 
-def _expert_rows_bwd(window, residuals, dys_PxD):
+def _expert_rows_bwd(window, skip_idle, residuals, dys_PxD):
     """The same loops backwards by hand (loops with dynamic trip counts have no reverse mode):
     per window, the SwiGLU's input gradient and the expert's weight gradients (summed over its
     windows); rows of other experts get a zero output gradient."""
@@ -253,6 +272,8 @@ def _expert_rows_bwd(window, residuals, dys_PxD):
 
     init = (jnp.zeros_like(xs_PxD), jnp.zeros_like(wg_ExDxF), jnp.zeros_like(wu_ExDxF),
             jnp.zeros_like(wo_ExFxD))
+    if skip_idle:
+        expert = _skip_idle(expert, counts_E)
     dxs, dwg, dwu, dwo = jax.lax.fori_loop(0, wg_ExDxF.shape[0], expert, init)
     return dxs, None, None, dwg, dwu, dwo
 
@@ -260,29 +281,82 @@ def _expert_rows_bwd(window, residuals, dys_PxD):
 _expert_rows.defvjp(_expert_rows_fwd, _expert_rows_bwd)
 
 
+def first_block_size(n_assignments: int, n_experts: int) -> int:
+    """Rows per expert of the looped dispatch's batched first block, 0 for none: the power of
+    two >= twice an expert's mean load (at least 4), while that is at most 16 rows (decode
+    steps and other small batches; at larger loads the looped windows are as fast)."""
+    rows = 2 * -(-n_assignments // n_experts)
+    return 0 if rows > 16 else max(4, 1 << (rows - 1).bit_length())
+
+
+def _looped_rows(xs_AxD, starts_E, counts_E, window: int, w, skip_idle: bool = False):
+    """`_expert_rows` of the expert-sorted rows (one window of zeros appended, so that every
+    window slice stays in bounds)."""
+    pad = jnp.zeros((window, xs_AxD.shape[-1]), xs_AxD.dtype)
+    ys = _expert_rows(jnp.concatenate([xs_AxD, pad]), starts_E, counts_E, window, *w,
+                      skip_idle)
+    return ys[: xs_AxD.shape[0]]
+
+
+def _blocked_rows(xs_AxD, sorted_e_A, rank_A, starts_E, counts_E, block: int, window: int, w):
+    """SwiGLU of the expert-sorted rows: each expert's first `block` rows in one batched
+    product over the experts, [E, block, D] (the weights read where they lie: no loop and no
+    per-expert weight copies, which dominate a small batch's looped windows); the rows past
+    an expert's first block (a load above `block`) by the looped windows over the experts
+    that have such rows, skipped when none has."""
+    a = xs_AxD.shape[0]
+    r_B = jnp.arange(block)
+    src_ExB = jnp.minimum(starts_E[:, None] + r_B, a - 1)
+    x_ExBxD = jnp.where((r_B < counts_E[:, None])[..., None], xs_AxD[src_ExB], 0)
+    y_ExBxD = expert_ffn(x_ExBxD, *w)
+    in_block_A = rank_A < block
+    ys_AxD = jnp.where(in_block_A[:, None],
+                       y_ExBxD[sorted_e_A, jnp.minimum(rank_A, block - 1)], 0)
+    over_E = jnp.maximum(counts_E - block, 0)
+
+    def overflow(xs_AxD):
+        # the rows past the first blocks, expert-sorted; in-block rows go to row a (dropped)
+        ostarts_E = jnp.cumsum(over_E) - over_E
+        opos_A = jnp.where(in_block_A, a, ostarts_E[sorted_e_A] + rank_A - block)
+        xo_AxD = jnp.zeros_like(xs_AxD).at[opos_A].set(xs_AxD, mode="drop")
+        yo_AxD = _looped_rows(xo_AxD, ostarts_E, over_E, window, w, skip_idle=True)
+        return jnp.where(in_block_A[:, None], 0, yo_AxD[jnp.minimum(opos_A, a - 1)])
+
+    return ys_AxD + jax.lax.cond(jnp.any(over_E > 0), overflow, jnp.zeros_like, xs_AxD)
+
+
 def looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
-                    window: int | None = None) -> jax.Array:
-    """Exact top-k MoE expert by expert, in windows of `window` rows (default `window_size`):
-    see "dropless_loop" in the module docstring."""
+                    window: int | None = None, first_block: int | None = None) -> jax.Array:
+    """Exact top-k MoE expert by expert, in windows of `window` rows (default `window_size`),
+    after a batched first block of `first_block` rows per expert when that is > 0 (default
+    `first_block_size`): see "dropless_loop" in the module docstring."""
     n, k = idx_Nxk.shape
     e, a = wg_ExDxF.shape[0], n * k
     window = window or window_size(a, e)
-    order_A, _, _, counts_E = _sort_by_expert(idx_Nxk.reshape(a), e)
+    first_block = first_block_size(a, e) if first_block is None else first_block
+    order_A, sorted_e_A, rank_A, counts_E = _sort_by_expert(idx_Nxk.reshape(a), e)
     starts_E = jnp.cumsum(counts_E) - counts_E
-    # expert-sorted rows, then one window of zeros so that every window slice stays in bounds
-    xs = jnp.concatenate([x_NxD[order_A // k], jnp.zeros((window, x_NxD.shape[-1]), x_NxD.dtype)])
-    ys = _expert_rows(xs, starts_E, counts_E, window, wg_ExDxF, wu_ExDxF, wo_ExFxD)
+    xs_AxD = x_NxD[order_A // k]
+    w = (wg_ExDxF, wu_ExDxF, wo_ExFxD)
+    if first_block:
+        ys_AxD = _blocked_rows(xs_AxD, sorted_e_A, rank_A, starts_E, counts_E, first_block,
+                               window, w)
+    else:
+        ys_AxD = _looped_rows(xs_AxD, starts_E, counts_E, window, w)
     dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32))
-    return _combine(ys[:a], dest_A, weights_Nxk)
+    return _combine(ys_AxD, dest_A, weights_Nxk)
 
 
 def dropless_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
-                      block: int | None = None, loop: bool = False) -> jax.Array:
+                      block: int | None = None, loop: bool = False,
+                      first_block: int | None = None) -> jax.Array:
     """Exact top-k MoE with static shapes: expert groups padded to `block` rows. `loop`: expert
-    by expert in windows of `block` rows (default `window_size`) instead (`looped_dispatch`:
-    the same forward bit for bit, gradients equal up to float summation order)."""
+    by expert in windows of `block` rows (default `window_size`) after a batched first block
+    of `first_block` rows per expert (`looped_dispatch`: the same forward bit for bit,
+    gradients equal up to float summation order)."""
     if loop:
-        return looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, block)
+        return looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, block,
+                               first_block)
     n, k = idx_Nxk.shape
     e = wg_ExDxF.shape[0]
     a = n * k

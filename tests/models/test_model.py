@@ -337,6 +337,46 @@ def test_looped_dropless_forward_is_the_gathered_bit_for_bit(moe_inputs):
     assert capacity.forward_only() == capacity  # dropping tokens is part of what it computes
 
 
+def test_small_batch_dispatch_is_the_looped_one(moe_inputs):
+    """The looped dispatch's batched first block (every expert's first `block` rows in one
+    [E, block] product; decode steps), with and without rows past it (looped over the
+    experts that have such rows): the same forward bit for bit as the plain loop, the
+    gathered layout's gradients, zero for experts without rows."""
+    x, idx, gates, w = moe_inputs
+    counts = np.bincount(np.asarray(idx).ravel(), minlength=6)
+    assert 16 < counts.max() <= 32  # first_block 32: all rows in it; 16: some past it
+
+    def loss(first_block, x, gates, w):
+        return jnp.sum(jnp.sin(moe.looped_dispatch(x, idx, gates, *w, first_block=first_block)))
+
+    plain = jax.jit(lambda x, g, w: moe.looped_dispatch(x, idx, g, *w, first_block=0))(
+        x, gates, w)
+    want = jax.jit(jax.grad(lambda x, g, w: jnp.sum(jnp.sin(moe.dropless_dispatch(
+        x, idx, g, *w, block=8))), argnums=(0, 1, 2)))(x, gates, w)
+    for block in (32, 16):
+        out = jax.jit(lambda x, g, w, b=block: moe.looped_dispatch(x, idx, g, *w, first_block=b))
+        np.testing.assert_array_equal(out(x, gates, w), plain)
+        got = jax.jit(jax.grad(functools.partial(loss, block), argnums=(0, 1, 2)))(x, gates, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    # experts 3-5 without rows: their idle blocks, and the loop over the rows past the
+    # blocks that skips them, leave their weight gradients exactly zero
+    idle = jnp.tile(jnp.array([[2, 0, 1]], jnp.int32), (5, 1))
+    for block in (8, 4):  # 5 rows each: all in the block, then one past it
+        grads = jax.grad(lambda w, b=block: jnp.sum(jnp.sin(moe.looped_dispatch(
+            x[:5], idle, gates[:5], *w, first_block=b))))(w)
+        assert all(float(jnp.max(jnp.abs(g[3:]))) == 0.0 for g in grads)
+        assert all(float(jnp.max(jnp.abs(g[:3]))) > 0.0 for g in grads)
+
+
+def test_small_batch_block_follows_the_mean_load():
+    """Twice an expert's mean load, a power of two >= 4, up to 16 rows; none above."""
+    sizes = {(a, e): moe.first_block_size(a, e) for a, e in
+             [(64, 8), (40, 8), (32, 8), (16, 8), (72, 8), (128, 8), (111, 6), (256, 128)]}
+    assert sizes == {(64, 8): 16, (40, 8): 16, (32, 8): 8, (16, 8): 4, (72, 8): 0,
+                     (128, 8): 0, (111, 6): 0, (256, 128): 4}
+
+
 def test_capacity_dispatch_drops_excess_in_token_order(moe_inputs, jit):
     """All 37 tokens to experts (0, 1, 2): A = 111, C = ceil(111/6 * 1.0) = 19 per expert, so
     tokens 0..18 keep all three experts, tokens 19..36 lose all: dropped = 54/111."""
