@@ -156,6 +156,9 @@ def default_config() -> ml_collections.ConfigDict:
     # compute on padding; the losses see one row per sequence, `espo_jax.train.batch`).
     c.train.pack = True  # needs micro_batches == 1
     c.train.pack_len = 0  # tokens per packed row (0: twice the RL row length)
+    # Packed rows hold a prompt once, its responses after it attending to it (the loss is
+    # the same; a group of G responses computes its prompt once instead of G times).
+    c.train.share_prompts = True
     # Supervised anchor (PPO-ptx): every update also descends anchor_coef x the cross-entropy of
     # anchor_rows worked solutions of the warm-start levels.
     c.train.anchor_coef = 0.0  # weight of the anchor's cross-entropy (0: off)

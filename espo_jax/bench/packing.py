@@ -3,8 +3,9 @@
 The default experiment's update shape: 256 sequences (32 prompts x 8 samples) in rows of 71
 positions (20 prompt + 52 response - 1), the `small` preset, ESPO with router replay. Prompt
 lengths are drawn from 8-20 tokens and response lengths from 10-52 (about 36% of the padded
-positions are padding, as in the default run). The same sequences go through `pack_sequences`
-both ways, and the fused ESPO loss + gradients + AdamW update runs on each, timed in
+positions are padding, as in the default run), 8 responses per prompt. The same sequences go
+through `pack_sequences` three ways (one row per sequence, packed, packed with each prompt
+once: `share_prompts`), and the fused ESPO loss + gradients + AdamW update runs on each, timed in
 alternation (medians of repeats), compile apart; the packed rows also with attention in 4
 query blocks that skip the keys after them (`model.causal_blocks=4`). The
 gradients agree (tests/train/test_packing.py, tests/models/test_model.py); this measures only
@@ -34,24 +35,32 @@ from espo_jax.train.batch import pack_sequences
 PROMPT_LEN, NEW_TOKENS = 20, 52
 N_BLOCKS = 4
 BLOCKS = f"packed, attention in {N_BLOCKS} causal blocks"
+SAMPLES = 8  # responses per prompt (the default experiment's G)
+SHARED = "packed, shared prompts"
 
 
 def sequences(config, n: int, *, prompt_len: tuple[int, int] = (8, PROMPT_LEN),
               response_len: tuple[int, int] = (10, NEW_TOKENS), max_len: int | None = None,
-              seed: int = 0):
+              seed: int = 0, group: int = 1):
     """`n` random prompt + response pairs (lengths uniform in the inclusive ranges; with
     `max_len`, responses cut to fit it), recorded routing of distinct experts on every token
     but the last, behaviour log-probs near -3, normal advantages, no RL-ZVP signs: the
-    arguments of `pack_sequences`. Defaults: the default experiment's lengths."""
+    arguments of `pack_sequences`. `group`: consecutive pairs share their prompt (and its
+    recorded routing) this many at a time. Defaults: the default experiment's lengths."""
     rng = np.random.default_rng(seed)
     prompts, responses, blogps, routings = [], [], [], []
-    for _ in range(n):
-        p = rng.integers(3, config.vocab_size, rng.integers(prompt_len[0], prompt_len[1] + 1))
+    for i in range(n):
+        if i % group == 0:
+            p = rng.integers(3, config.vocab_size, rng.integers(prompt_len[0], prompt_len[1] + 1))
+            p_route = np.stack([rng.permutation(config.n_experts)[:config.top_k]
+                                for _ in range(len(p) * config.n_moe_layers)])
         r_max = response_len[1] if max_len is None else min(response_len[1], max_len - len(p))
         r = rng.integers(3, config.vocab_size, rng.integers(response_len[0], r_max + 1))
         route = np.stack([rng.permutation(config.n_experts)[:config.top_k]
-                          for _ in range((len(p) + len(r)) * config.n_moe_layers)])
-        route = route.reshape(len(p) + len(r), config.n_moe_layers, config.top_k)
+                          for _ in range(len(r) * config.n_moe_layers)] or
+                         [np.zeros((0, config.top_k), np.int64)]).reshape(-1, config.top_k)
+        route = np.concatenate([p_route, route]).reshape(len(p) + len(r), config.n_moe_layers,
+                                                         config.top_k)
         route[-1] = -1
         prompts.append(p), responses.append(r), routings.append(route)
         blogps.append(rng.normal(-3.0, 0.3, len(r)).astype(np.float32))
@@ -83,16 +92,17 @@ def run(quick: bool) -> dict:
     rows = 32 if quick else 256
     repeats = 3 if quick else 7
     seq_len = PROMPT_LEN + NEW_TOKENS - 1
-    args = sequences(config, rows)
+    args = sequences(config, rows, group=SAMPLES)
     kw = dict(rows=rows, seq_len=seq_len, pad_id=0,
               moe_shape=(config.n_moe_layers, config.top_k))
     batches = {"padded": pack_sequences(*args, **kw, pack=False),
-               "packed": pack_sequences(*args, **kw, pack=True)}
+               "packed": pack_sequences(*args, **kw, pack=True),
+               SHARED: pack_sequences(*args, **kw, pack=True, share_prompts=True)}
     # The packed rows again with attention in 4 query blocks that skip the keys after them
     # (`model.causal_blocks=4`) against the preset's one block.
     batches[BLOCKS] = batches["packed"]
     update, tx = espo_update(config)
-    updates = {"padded": update, "packed": update,
+    updates = {"padded": update, "packed": update, SHARED: update,
                BLOCKS: espo_update(config.replace(causal_blocks=N_BLOCKS))[0]}
     params = init_params(config, jax.random.key(0))
     opt_state = tx.init(params)
@@ -118,6 +128,7 @@ def run(quick: bool) -> dict:
     for name in fns:
         figures[name]["update_s"] = secs[name]
     figures["packed_speedup"] = secs["padded"] / secs["packed"]
+    figures["shared_speedup"] = secs["packed"] / secs[SHARED]
     figures["causal_blocks_speedup"] = secs["packed"] / secs[BLOCKS]
     figures["load_average"] = os.getloadavg()
     rows_out = [[name, f"{f['model_rows']} x {f['row_len']}", f["token_slots"],
@@ -128,6 +139,7 @@ def run(quick: bool) -> dict:
           f"of {repeats}, interleaved; load average {figures['load_average'][0]:.1f}")
     print(format_table(["layout", "model rows x width", "token slots", "padding",
                         "update s", "compile s", "loss"], rows_out))
-    print(f"packed update: {figures['packed_speedup']:.2f}x the padded one's speed; attention in "
+    print(f"packed update: {figures['packed_speedup']:.2f}x the padded one's speed; shared "
+          f"prompts: {figures['shared_speedup']:.2f}x the packed one's; attention in "
           f"{N_BLOCKS} causal blocks: {figures['causal_blocks_speedup']:.2f}x one block's")
     return figures

@@ -114,12 +114,27 @@ def write_cache(
     )
 
 
+# Segment ids of a shared prefix and its continuations: g * PREFIX_STRIDE + m (g >= 1) is
+# member m of group g, m = 0 the prefix (e.g. a prompt, once) that members 1, 2, ... (its
+# responses) all attend to; ids below PREFIX_STRIDE are plain sequences.
+PREFIX_STRIDE = 1 << 16
+
+
+def segment_visible(query_seg: jax.Array, key_seg: jax.Array) -> jax.Array:
+    """Whether a key of segment `key_seg` may be attended to from segment `query_seg` (the
+    positions permitting): its own segment, or its group's shared prefix (`PREFIX_STRIDE`)."""
+    prefix = (key_seg % PREFIX_STRIDE == 0) & (key_seg > 0)
+    return (key_seg == query_seg) | (prefix & (key_seg // PREFIX_STRIDE
+                                               == query_seg // PREFIX_STRIDE))
+
+
 def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
                 segments_BxT: jax.Array | None = None, *, keys_BxKxSxA: jax.Array,
                 values_BxKxSxA: jax.Array, key_pos_BxS: jax.Array, key_valid_BxS: jax.Array,
                 key_segments_BxS: jax.Array | None = None, dtype: Any) -> jax.Array:
     """Softmax attention of queries at `positions_BxT` over the keys at positions <= theirs
-    that are valid (and, given segment ids, of the query's own segment: packed rows); scores
+    that are valid (and, given segment ids, of the query's own segment or its shared prefix:
+    packed rows, `segment_visible`); scores
     and softmax in fp32. Materialises the [B, K, G, T, S] scores. Keys and values are kv-head
     major, the KV cache's layout: a decode step reads each head's keys as one [S, A] block."""
     b, t, kv, g, a = q_BxTxKxGxA.shape
@@ -131,7 +146,7 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
         :, None, :
     ]
     if key_segments_BxS is not None:
-        mask_BxTxS &= key_segments_BxS[:, None, :] == segments_BxT[:, :, None]
+        mask_BxTxS &= segment_visible(segments_BxT[:, :, None], key_segments_BxS[:, None, :])
     if t > 1:
         out_BxKxQxA = softmax_attention(q_BxKxQxA, keys_BxKxSxA, values_BxKxSxA,
                                         mask_BxTxS[:, None, None], g, dtype)
@@ -249,7 +264,8 @@ def causal_blocks(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array, segments_BxT
 class Attention(nn.Module):
     """Grouped-query attention (K kv heads shared by H/K query heads each), q/k RMSNorm per
     head, RoPE. A query at position p sees keys at positions <= p that are valid (segment id
-    > 0) and, without a cache, of its own segment (several sequences packed in one row)."""
+    > 0) and, without a cache, of its own segment or its shared prefix (several sequences
+    packed in one row, `segment_visible`)."""
 
     config: ModelConfig
 

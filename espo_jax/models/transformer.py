@@ -44,7 +44,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, segments_BxT, replay_BxTxk, cache,
-                 cache_mask_BxS):
+                 cache_mask_BxS, weights_BxT=None):
         c = self.config
         h, new_cache = Attention(c, name="attn")(
             rms_norm(c, "attn_norm")(x_BxTxD), positions_BxT, segments_BxT, cache, cache_mask_BxS
@@ -52,8 +52,8 @@ class Block(nn.Module):
         x_BxTxD = x_BxTxD + h
         y = rms_norm(c, "mlp_norm")(x_BxTxD)
         if self.moe:
-            y, logits, experts, stats = MoeBlock(c, name="moe")(y, replay_BxTxk,
-                                                                segments_BxT > 0)
+            weights = segments_BxT > 0 if weights_BxT is None else weights_BxT
+            y, logits, experts, stats = MoeBlock(c, name="moe")(y, replay_BxTxk, weights)
             routing = (logits, experts, stats)
         else:
             y, routing = Mlp(c, c.d_ff, name="mlp")(y), None
@@ -89,7 +89,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxT, positions_BxT, segments_BxT, replay_BxTxMxk, cache,
-                 cache_mask_BxS, return_logits: bool):
+                 cache_mask_BxS, return_logits: bool, weights_BxT=None):
         c = self.config
         embed = Embed(c, name="embed")
         x = _constrain(embed(tokens_BxT))
@@ -101,7 +101,7 @@ class Transformer(nn.Module):
             layer_cache = None if cache is None else cache[f"layers_{i}"]
             block = nn.remat(Block) if c.remat else Block
             x, layer_cache, routing = block(c, moe, name=f"layers_{i}")(
-                x, positions_BxT, segments_BxT, replay, layer_cache, cache_mask_BxS
+                x, positions_BxT, segments_BxT, replay, layer_cache, cache_mask_BxS, weights_BxT
             )
             x = _constrain(x)
             if cache is not None:
@@ -136,6 +136,7 @@ def forward(
     attention_mask_BxT: jax.Array | None = None,
     segment_ids_BxT: jax.Array | None = None,
     routed_experts_BxTxMxk: jax.Array | None = None,
+    token_weights_BxT: jax.Array | None = None,
     cache: dict | None = None,
     cache_mask_BxS: jax.Array | None = None,
     return_hidden: bool = False,
@@ -147,8 +148,11 @@ def forward(
     positions_BxT: default arange(T) in every row. attention_mask_BxT: True = real token; keys
     that are False are never attended to (and are excluded from the aux losses).
     segment_ids_BxT: several sequences packed in a row: a query attends only to keys of its
-    own segment id; id 0 marks padding (as attention_mask False). Give positions_BxT that
-    restart at each segment. Not with a cache.
+    own segment id (or of its group's shared prefix, `layers.PREFIX_STRIDE`); id 0 marks
+    padding (as attention_mask False). Give positions_BxT that restart at each segment (a
+    prefix's members continue its positions). Not with a cache.
+    token_weights_BxT: each token's weight in the aux losses (default 1 on real tokens): a
+    shared prefix stands for as many tokens as it has members.
     routed_experts_BxTxMxk: router replay, expert ids per token and MoE layer; a token whose row
     holds the sentinel -1 routes normally. cache (from `init_cache`) with cache_mask_BxS
     (True = slot holds a real earlier token of the row): the T new tokens are written at slots
@@ -175,6 +179,7 @@ def forward(
         segments_BxT = jnp.asarray(attention_mask_BxT).astype(bool).astype(jnp.int32)
     _check_shape("positions_BxT", positions_BxT, (b, t))
     _check_shape("attention_mask_BxT / segment_ids_BxT", segments_BxT, (b, t))
+    _check_shape("token_weights_BxT", token_weights_BxT, (b, t))
     _check_shape("routed_experts_BxTxMxk", routed_experts_BxTxMxk,
                  (b, t, config.n_moe_layers, config.top_k))
     if cache is not None:
@@ -190,6 +195,7 @@ def forward(
     hidden, logits, r_logits, experts, stats, new_cache = Transformer(config).apply(
         {"params": params}, tokens_BxT, jnp.asarray(positions_BxT), segments_BxT,
         routed_experts_BxTxMxk, cache, cache_mask_BxS, return_logits,
+        None if token_weights_BxT is None else jnp.asarray(token_weights_BxT, jnp.float32),
     )
     if experts:
         routed = jnp.stack(experts, axis=2)

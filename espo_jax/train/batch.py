@@ -18,15 +18,27 @@ shapes, each compiled once). Where packed rows would hold no fewer positions tha
 sequence (every sequence near the longest), the batch is not packed: the same positions, and
 attention over rows half as long (bench peers' GRPO update, 64 sequences of 47 tokens: 0.312 ->
 0.287 s).
+
+Shared prompts (`share_prompts=True`, with packing): the responses of one prompt (equal prompt
+tokens and recorded prompt routing, `prompt_keys`) are placed in one data shard, and in a row
+as one copy of the prompt's first P - 1 inputs (segment id g * PREFIX_STRIDE) followed by each
+response's own inputs from input P - 1 on (segment ids g * PREFIX_STRIDE + 1, 2, ..., the
+positions continuing the prompt's), each attending to the copy and to itself
+(`models.layers.segment_visible`): every log-prob is the one its own row would give, and G
+responses compute their prompt once instead of G times. `token_weights` counts a shared
+token once per response in the MoE aux losses and the routing flip rate. A prompt whose
+responses do not fit one row is copied once per row they take.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import flax
 import jax
 import numpy as np
+
+from espo_jax.models.layers import PREFIX_STRIDE
 
 PACK_BUCKETS = 16  # packed row counts: multiples of 1/PACK_BUCKETS of the most they can be
 
@@ -49,6 +61,9 @@ class RLBatch:
     old_entropy: jax.Array | None = None  # [B, T]
     old_routed_experts: jax.Array | None = None  # [R, W, M, k] learner's own old routing (R2)
     ref_logp: jax.Array | None = None  # [B, T] reference policy's log-probs (KL penalty)
+    # [R, W] float32 aux-loss weight of each model-side token (a shared prompt's tokens stand
+    # for as many as it has responses); None: 1 on every real token
+    token_weights: jax.Array | None = None
 
 
 def rl_seq_len(config) -> int:
@@ -56,23 +71,34 @@ def rl_seq_len(config) -> int:
     return config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
 
 
-def balance_rows(lengths: Sequence[int], n_shards: int, rows_per_shard: int) -> list[int]:
+def balance_rows(lengths: Sequence[int], n_shards: int, rows_per_shard: int,
+                 keys: Sequence[Hashable] | None = None) -> list[int]:
     """Longest-processing-time assignment of sequences to data shards by token count.
 
     Returns a permutation `order` of length `n_shards * rows_per_shard` (padding rows are
-    indices >= len(lengths)) such that shard d gets rows `order[d*R:(d+1)*R]`.
+    indices >= len(lengths)) such that shard d gets rows `order[d*R:(d+1)*R]`. With `keys`,
+    sequences of one key (the responses of one prompt) are placed together, as one item, on
+    a shard with room for them all (split only where no shard has), so that they can share
+    their prompt (`pack_sequences(share_prompts=True)`).
     """
     n = len(lengths)
     total = n_shards * rows_per_shard
     if n > total:
         raise ValueError(f"{n} sequences do not fit {n_shards} shards x {rows_per_shard} rows")
+    items: dict[Hashable, list[int]] = {}
+    for i in range(n):
+        items.setdefault(i if keys is None else keys[i], []).append(i)
     load = [0] * n_shards
     shards: list[list[int]] = [[] for _ in range(n_shards)]
-    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        open_shards = [d for d in range(n_shards) if len(shards[d]) < rows_per_shard]
-        d = min(open_shards, key=lambda d: (load[d], d))
-        shards[d].append(i)
-        load[d] += lengths[i]
+    work = lambda item: sum(lengths[i] for i in item)
+    for item in sorted(items.values(), key=lambda item: (-work(item), item[0])):
+        room = [d for d in range(n_shards) if len(shards[d]) + len(item) <= rows_per_shard]
+        for part in [item] if room else [[i] for i in item]:
+            open_shards = room or [d for d in range(n_shards)
+                                   if len(shards[d]) < rows_per_shard]
+            d = min(open_shards, key=lambda d: (load[d], d))
+            shards[d].extend(part)
+            load[d] += work(part)
     pad = iter(range(n, total))
     for s in shards:
         s.extend(next(pad) for _ in range(rows_per_shard - len(s)))
@@ -94,6 +120,42 @@ def fill_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
+def prompt_keys(prompts: Sequence[np.ndarray],
+                routings: Sequence[np.ndarray | None] | None) -> list[bytes]:
+    """Sequences whose prompts can be computed once: equal prompt tokens and, where routing
+    was recorded, equal routing of the prompt's inputs (the replayed prefix must be the
+    same for every response)."""
+    keys = []
+    for i, p in enumerate(prompts):
+        p = np.asarray(p, np.int32)
+        r = None if routings is None else routings[i]
+        routing = b"" if r is None else np.asarray(r, np.int32)[: len(p) - 1].tobytes()
+        keys.append(len(p).to_bytes(4, "little") + p.tobytes() + routing)
+    return keys
+
+
+def _units(shard: list[int], keys: list[bytes], prompt_lens: list[int],
+           resp_lens: list[int], width: int, share: bool) -> list[list[int]]:
+    """A shard's sequences as packing units: a single sequence, or (`share`) a prompt's
+    responses behind one copy of the prompt, as many as fit in a row of `width` (a prompt of
+    one token, or a response alone, stays a single sequence)."""
+    groups: dict[bytes, list[int]] = {}
+    for i in shard:
+        groups.setdefault(keys[i] if share and prompt_lens[i] > 1 else i, []).append(i)
+    units = []
+    for members in groups.values():
+        prefix = prompt_lens[members[0]] - 1
+        unit, used = [], prefix
+        for i in sorted(members, key=lambda i: (-resp_lens[i], i)):
+            if unit and used + resp_lens[i] > width:
+                units.append(unit)
+                unit, used = [], prefix
+            unit.append(i)
+            used += resp_lens[i]
+        units.append(unit)
+    return units
+
+
 def pack_sequences(
     prompts: Sequence[np.ndarray],
     responses: Sequence[np.ndarray],
@@ -109,10 +171,12 @@ def pack_sequences(
     moe_shape: tuple[int, int] | None = None,
     pack: bool = False,
     pack_len: int = 0,
+    share_prompts: bool = False,
 ) -> RLBatch:
     """Puts `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy);
     with `pack`, its model side in as few rows of `pack_len` tokens (0: 2 * seq_len) as the
-    tokens fill (module docstring)."""
+    tokens fill (module docstring); with `share_prompts` too, the responses of one prompt
+    share one copy of it."""
     if rows % n_shards:
         raise ValueError(f"batch rows {rows} not divisible by data shards {n_shards}")
     for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logps, strict=True)):
@@ -125,17 +189,29 @@ def pack_sequences(
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     if lengths and max(lengths) > seq_len + 1:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds seq_len + 1 = {seq_len + 1}")
+    # (rows in the same order whether or not they end up packed)
+    keys = prompt_keys(prompts, routings) if share_prompts else None
+    share_prompts = share_prompts and pack
+    prompt_lens = [len(p) for p in prompts]
     per_shard = rows // n_shards
-    order = balance_rows(lengths, n_shards, per_shard)
+    order = balance_rows(lengths, n_shards, per_shard, keys)
     width = (pack_len or 2 * seq_len) if pack else seq_len  # model-side row length
     if width < seq_len:
         raise ValueError(f"pack_len {pack_len} is shorter than a sequence row ({seq_len})")
-    # Where each sequence's inputs go on the model side: (model row, first column, segment id).
+    # Where each sequence's inputs go on the model side: (model row, first column, segment
+    # id); a shared prompt's responses also (model row, first column) of the prompt's copy,
+    # which holds its first P - 1 inputs (the response's row then starts at input P - 1).
     place: dict[int, tuple[int, int, int]] = {}
+    prefix_at: dict[int, tuple[int, int]] = {}
     if pack:
         shards = [[i for i in order[d * per_shard:(d + 1) * per_shard] if i < len(lengths)]
                   for d in range(n_shards)]
-        filled = [fill_rows([lengths[i] - 1 for i in shard], width) for shard in shards]
+        resp_lens = [n - p for n, p in zip(lengths, prompt_lens, strict=True)]
+        units = [_units(shard, keys, prompt_lens, resp_lens, width, share_prompts)
+                 for shard in shards]
+        unit_len = lambda u: (lengths[u[0]] - 1 if len(u) == 1 else
+                              prompt_lens[u[0]] - 1 + sum(resp_lens[i] for i in u))
+        filled = [fill_rows([unit_len(u) for u in shard_units], width) for shard_units in units]
         most = -(-per_shard * seq_len // width)  # rows of `width` the unpacked tokens fill
         step = max(1, most // PACK_BUCKETS)
         model_per_shard = min(most, -(-max(1, *map(len, filled)) // step) * step)
@@ -144,12 +220,21 @@ def pack_sequences(
         pack = model_per_shard * width < per_shard * seq_len
         width = width if pack else seq_len
     if pack:
-        for d, (shard, shard_rows) in enumerate(zip(shards, filled, strict=True)):
+        for d, (shard_units, shard_rows) in enumerate(zip(units, filled, strict=True)):
             for j, members in enumerate(shard_rows):
-                col = 0
-                for segment, m in enumerate(members, start=1):
-                    place[shard[m]] = (d * model_per_shard + j, col, segment)
-                    col += lengths[shard[m]] - 1
+                mrow, col, plain, group = d * model_per_shard + j, 0, 0, 0
+                for u in (shard_units[m] for m in members):
+                    if len(u) == 1:
+                        plain += 1
+                        place[u[0]] = (mrow, col, plain)
+                        col += lengths[u[0]] - 1
+                        continue
+                    group += 1
+                    pcol, col = col, col + prompt_lens[u[0]] - 1
+                    for m, i in enumerate(u, start=1):
+                        prefix_at[i] = (mrow, pcol)
+                        place[i] = (mrow, col, group * PREFIX_STRIDE + m)
+                        col += resp_lens[i]
         model_rows = n_shards * model_per_shard
     else:
         place = {i: (row, 0, 1) for row, i in enumerate(order) if i < len(lengths)}
@@ -160,6 +245,7 @@ def pack_sequences(
     positions = (np.zeros((model_rows, width), np.int32) if pack else
                  np.broadcast_to(np.arange(width, dtype=np.int32), (model_rows, width)).copy())
     segments = np.zeros((model_rows, width), np.int32)
+    weights = np.zeros((model_rows, width), np.float32) if share_prompts else None
     loss_mask = np.zeros((rows, seq_len), np.float32)
     blogp = np.zeros((rows, seq_len), np.float32)
     adv = np.zeros((rows,), np.float32)
@@ -175,21 +261,37 @@ def pack_sequences(
         full = np.concatenate([p, r]).astype(np.int32)
         n_in = len(full) - 1
         mrow, col, segment = place[i]
-        cols = slice(col, col + n_in)
-        tokens[mrow, cols] = full[:-1]
-        targets[mrow, cols] = full[1:]
-        positions[mrow, cols] = np.arange(n_in)
+        # inputs [skip, n_in) go to this sequence's own columns; [0, skip) to its shared prompt
+        skip = len(p) - 1 if i in prefix_at else 0
+        cols = slice(col, col + n_in - skip)
+        tokens[mrow, cols] = full[skip:-1]
+        targets[mrow, cols] = full[skip + 1:]
+        positions[mrow, cols] = np.arange(skip, n_in)
         segments[mrow, cols] = segment
+        if weights is not None:
+            weights[mrow, cols] = 1.0
         if unpack is not None:
-            unpack[row, :n_in] = mrow * width + col + np.arange(n_in)
+            unpack[row, skip:n_in] = mrow * width + col + np.arange(n_in - skip)
+        ri = None
+        if routed is not None and routings is not None and routings[i] is not None:
+            ri = np.asarray(routings[i])[:n_in].astype(np.int32)
+            routed[mrow, col : col + max(0, len(ri) - skip)] = ri[skip:]
+        if skip:
+            prow, pcol = prefix_at[i]
+            pcols = slice(pcol, pcol + skip)
+            tokens[prow, pcols] = full[:skip]
+            targets[prow, pcols] = full[1 : skip + 1]
+            positions[prow, pcols] = np.arange(skip)
+            segments[prow, pcols] = segment - segment % PREFIX_STRIDE
+            weights[prow, pcols] += 1.0  # the prompt stands for each response's copy
+            unpack[row, :skip] = prow * width + pcol + np.arange(skip)
+            if ri is not None:
+                routed[prow, pcol : pcol + min(skip, len(ri))] = ri[:skip]
         # Target t is response token (t + 1 - len(p)); it is a response token when t >= len(p) - 1.
         loss_mask[row, len(p) - 1 : n_in] = 1.0
         blogp[row, len(p) - 1 : n_in] = np.asarray(behaviour_logps[i], np.float32)[: len(r)]
         adv[row] = advantages[i]
         zvs[row] = zv_sign[i]
-        if routed is not None and routings is not None and routings[i] is not None:
-            ri = np.asarray(routings[i])[:n_in].astype(np.int32)
-            routed[mrow, col : col + len(ri)] = ri
     return RLBatch(
         tokens=tokens,
         positions=positions,
@@ -201,4 +303,5 @@ def pack_sequences(
         behaviour_logp=blogp,
         routed_experts=routed,
         unpack=unpack,
+        token_weights=weights,
     )

@@ -36,7 +36,7 @@ from espo_jax import console, distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
 from espo_jax.rl.advantages import ADVANTAGES, overlong_penalty, zvp_signs
 from espo_jax.train import step as step_lib
-from espo_jax.train.batch import RLBatch, balance_rows, pack_sequences, rl_seq_len
+from espo_jax.train.batch import RLBatch, balance_rows, pack_sequences, prompt_keys, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
 from espo_jax.zve.groups import require_scored
@@ -99,6 +99,8 @@ class Learner:
         self._pool = (ThreadPoolExecutor(self.grad_threads, thread_name_prefix="grad-part")
                       if self.grad_threads > 1 else None)
         self.seq_len = rl_seq_len(config)
+        # a prompt's responses behind one copy of it (packed rows only)
+        self.share_prompts = bool(config.train.pack and config.train.get("share_prompts", False))
         self.n_data_shards = config.mesh.data * config.mesh.fsdp
         self.moe_shape = (
             (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None
@@ -268,6 +270,7 @@ class Learner:
             moe_shape=self.moe_shape,
             pack=self.config.train.pack,
             pack_len=self.config.train.pack_len,
+            share_prompts=self.share_prompts,
         )
 
     def _chunks(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray]):
@@ -313,7 +316,9 @@ class Learner:
         out = []
         for chunk, adv, signs in self._chunks(groups, rewards):
             lengths = [len(p) + len(r.tokens) for p, r in chunk]
-            order = balance_rows(lengths, self.grad_threads, self.rows_per_part)
+            keys = (prompt_keys([p for p, _ in chunk], [r.routed_experts for _, r in chunk])
+                    if self.share_prompts else None)  # a prompt's responses in one part
+            order = balance_rows(lengths, self.grad_threads, self.rows_per_part, keys)
             parts = []
             for d in range(self.grad_threads):
                 idx = [i for i in order[d * self.rows_per_part:(d + 1) * self.rows_per_part]

@@ -43,12 +43,13 @@ def compiler_options() -> dict[str, str] | None:
 
 
 def sequence_logprobs(model_config, params, tokens, positions, targets, routed, chunk_size,
-                      segments=None, unpack=None):
+                      segments=None, unpack=None, token_weights=None):
     """Per-token log-probs and entropies of `targets`, chunked over the vocabulary projection.
 
     `segments`: the rows' segment ids (`RLBatch.segment_ids`); `unpack`: packed rows' index map
     (`RLBatch.unpack`), which brings the log-probs and entropies back to one row per sequence
-    (zero where a sequence has no token). `out` stays on the model's rows."""
+    (zero where a sequence has no token); `token_weights`: the tokens' aux-loss weights
+    (`RLBatch.token_weights`). `out` stays on the model's rows."""
     out = models.forward(
         model_config,
         params,
@@ -56,6 +57,7 @@ def sequence_logprobs(model_config, params, tokens, positions, targets, routed, 
         positions_BxT=positions,
         segment_ids_BxT=segments,
         routed_experts_BxTxMxk=routed,
+        token_weights_BxT=token_weights,
         return_hidden=True,
         return_logits=False,
     )
@@ -88,6 +90,7 @@ def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: 
     return sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets,
         _frozen_routing(batch, replay), chunk_size, batch.segment_ids, batch.unpack,
+        batch.token_weights,
     )
 
 
@@ -114,6 +117,8 @@ def mismatch_metrics(logp, ent, out, batch: RLBatch):
         own_routing = jax.lax.top_k(logits_BxTxMxE, k)[1].astype(jnp.int32)
         if batch.routed_experts is not None:
             recorded = batch.routed_experts[..., 0, 0] >= 0  # positions with a recording
+            if batch.token_weights is not None:  # a shared prompt's token once per response
+                recorded = recorded * batch.token_weights
             flips = models.routing_flip_rate(own_routing, batch.routed_experts, recorded)
             metrics["moe/routing_flip_rate"] = jnp.mean(flips)
             for i in range(flips.shape[0]):
@@ -168,7 +173,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
         }[replay]
     logp, ent, out = sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size,
-        batch.segment_ids, batch.unpack,
+        batch.segment_ids, batch.unpack, batch.token_weights,
     )
     fused_metrics = {}
     if fused:

@@ -59,3 +59,7 @@ def test_packing_quick_same_loss_fewer_slots(tmp_path):
     assert abs(f["packed"]["loss"] - f["padded"]["loss"]) < 1e-5
     # Attention in 4 causal query blocks against one block: the same loss.
     assert abs(f["packed, attention in 4 causal blocks"]["loss"] - f["packed"]["loss"]) < 1e-5
+    # Each prompt once for its 8 responses: fewer tokens computed, the same loss.
+    shared = f["packed, shared prompts"]
+    assert shared["real_tokens"] < f["packed"]["real_tokens"]
+    assert abs(shared["loss"] - f["packed"]["loss"]) < 1e-5

@@ -1,5 +1,6 @@
 """Sequence packing: the learner's loss, gradients, log-probs and routing are those of one row
-per sequence, for every loss, with router replay, fused and after an old-policy pass."""
+per sequence, for every loss, with router replay, fused and after an old-policy pass; so are
+they with a prompt's responses sharing one copy of it."""
 
 import functools
 
@@ -149,6 +150,82 @@ def test_parts_join_to_the_whole_batch(setup, loss_name, replay, fused):
     for key in [k for k in m_a if k in ("pg/loss", "pg/num_tokens") or k.endswith("max")
                 or "/max_" in k]:
         np.testing.assert_allclose(float(m_b[key]), float(m_a[key]), rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+    flat_a, flat_b = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in flat_a)
+    for a, b in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5 * scale)
+
+
+def _grouped_sequences():
+    """16 sequences: 5 prompts with 4, 4, 3, 3 and 2 responses. Within a prompt the prompt's
+    routing is the same, except for the last response of the second prompt (that one cannot
+    share it); the fifth prompt is one token (nothing to share); one response is empty."""
+    prompts, responses, blogps, routings, adv, signs = sequences(
+        CONFIG, 16, prompt_len=(5, 9), response_len=(0, 14), max_len=SEQ_LEN, seed=3)
+    sizes = [4, 4, 3, 3, 2]
+    first = np.repeat(np.cumsum([0] + sizes[:-1]), sizes)
+    for i, f in enumerate(first):
+        p = prompts[f][:1] if f == 14 else prompts[f]
+        route = np.concatenate([routings[f][:len(p) - 1], routings[i][len(prompts[i]) - 1:]])
+        r = responses[i][:SEQ_LEN + 1 - len(p)]
+        route = route[:len(p) + len(r)]
+        route[-1] = -1
+        prompts[i], responses[i], routings[i] = p, r, route
+        blogps[i] = blogps[i][:len(r)]
+    routings[7][0, 0, 0] = (routings[7][0, 0, 0] + 1) % CONFIG.n_experts  # not the same
+    responses[9] = responses[9][:0]
+    blogps[9], routings[9] = blogps[9][:0], routings[9][:len(prompts[9])]
+    return prompts, responses, blogps, routings, adv, signs
+
+
+@pytest.fixture(scope="module")
+def shared_setup():
+    args = _grouped_sequences()
+    kw = dict(rows=ROWS, seq_len=SEQ_LEN, pad_id=0, moe_shape=(CONFIG.n_moe_layers,
+                                                               CONFIG.top_k))
+    return (init_params(CONFIG, jax.random.key(0)),
+            [jax.tree.map(jnp.asarray, pack_sequences(*args, **kw, pack=pack, share_prompts=share))
+             for pack, share in ((False, True), (True, False), (True, True))])
+
+
+def test_shared_prompts_are_computed_once(shared_setup):
+    """The shared batch holds each prompt's first P - 1 inputs once per group (prompts 1, 3
+    and 4: 3 + 2 + 2 copies saved; prompt 2's 3 responses that share; not the fifth, a
+    one-token prompt) and maps every sequence's inputs, targets and routing back."""
+    _, (padded, packed, shared) = shared_setup  # padded: one row per sequence, same order
+    args = _grouped_sequences()
+    plens = [len(p) for p in args[0]]
+    saved = 3 * (plens[0] - 1) + 2 * (plens[4] - 1) + 2 * (plens[8] - 1) + 2 * (plens[11] - 1)
+    n_packed = int(np.sum(np.asarray(packed.segment_ids) > 0))
+    assert int(np.sum(np.asarray(shared.segment_ids) > 0)) == n_packed - saved
+    # the aux-loss weights count each shared token once per response
+    assert float(np.sum(shared.token_weights)) == n_packed
+    flat = np.asarray(shared.unpack)
+    has = flat < shared.tokens.size
+    np.testing.assert_array_equal(has, np.asarray(padded.segment_ids) > 0)
+    for name in ("tokens", "targets", "positions"):
+        got = np.asarray(getattr(shared, name)).reshape(-1)[np.where(has, flat, 0)]
+        np.testing.assert_array_equal(np.where(has, got, 0),
+                                      np.where(has, np.asarray(getattr(padded, name)), 0))
+    routed = np.asarray(shared.routed_experts).reshape(-1, CONFIG.n_moe_layers, CONFIG.top_k)
+    np.testing.assert_array_equal(routed[flat[has]], np.asarray(padded.routed_experts)[has])
+
+
+@pytest.mark.parametrize("loss_name,replay,fused", [CASES[0], CASES[3], CASES[-1]])
+def test_shared_prompt_loss_and_gradients_equal_the_padded_ones(shared_setup, loss_name,
+                                                                 replay, fused):
+    """ESPO fused with R3, ESPO with R2 after an old-policy pass, GRPO without replay: the
+    loss, the aux loss, the routing flip rate and the gradients of one row per sequence."""
+    params, (padded, _, shared) = shared_setup
+    at = params if fused else jax.tree.map(lambda p: p * 1.05, params)
+    loss_a, m_a, g_a = _loss_and_grads(params, at, padded, loss_name, replay, fused)
+    loss_b, m_b, g_b = _loss_and_grads(params, at, shared, loss_name, replay, fused)
+    assert abs(float(loss_a)) > 1e-6
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5, atol=1e-7)
+    keys = ["pg/loss", "moe/aux_loss"] + (["moe/routing_flip_rate"] if fused else [])
+    for key in keys:
+        np.testing.assert_allclose(float(m_b[key]), float(m_a[key]), rtol=1e-5, atol=1e-7,
                                    err_msg=key)
     flat_a, flat_b = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
     scale = max(float(jnp.max(jnp.abs(g))) for g in flat_a)
