@@ -139,6 +139,10 @@ def grpo_config() -> Any:
     c.zve.zvp.enabled = False
     c.optim.lr, c.optim.warmup_steps, c.optim.final_lr_frac = LEARNING_RATE, 0, 1.0
     c.optim.weight_decay = 0.0
+    # Packed rows of a prompt's first 15 inputs and 4 of its 32-token responses (143 tokens;
+    # `train.share_prompts`): the default width, twice a 47-token row, fits only two and
+    # leaves the rows as full as one row per sequence (GRPO update 0.234 -> 0.204 s).
+    c.train.pack_len = PROMPT_LEN - 1 + 4 * NEW_TOKENS
     return c
 
 
