@@ -348,15 +348,12 @@ def looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
 
 
 def dropless_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD,
-                      block: int | None = None, loop: bool = False,
-                      first_block: int | None = None) -> jax.Array:
+                      block: int | None = None, loop: bool = False) -> jax.Array:
     """Exact top-k MoE with static shapes: expert groups padded to `block` rows. `loop`: expert
-    by expert in windows of `block` rows (default `window_size`) after a batched first block
-    of `first_block` rows per expert (`looped_dispatch`: the same forward bit for bit,
-    gradients equal up to float summation order)."""
+    by expert in windows of `block` rows (default `window_size`) instead (`looped_dispatch`:
+    the same forward bit for bit, gradients equal up to float summation order)."""
     if loop:
-        return looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, block,
-                               first_block)
+        return looped_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, block)
     n, k = idx_Nxk.shape
     e = wg_ExDxF.shape[0]
     a = n * k
