@@ -6,10 +6,11 @@ then ESPO on all levels with the FP8 embedded engine and router replay (R3). The
 
     python -m espo_jax.main --config experiments/arith_espo.py --workdir /tmp/espo_arith
 
-Measured: held-out greedy accuracy 0.700 -> 0.875 (+17.5 points) on seed 0 in 529 s (warm
-start + 120 RL steps), 2026-12-01 (README at 035ebc6), 2-core AMD EPYC CPU, run alone, cold
-compilation cache. See experiments/results/ (`arith_espo_summary.json`,
-`accuracy_by_level.png`; other seeds and the recipe log in its README).
+Measured: held-out greedy accuracy 0.700 -> 0.785 (+8.5 points) on seed 0 in 497 s (warm
+start + 120 RL steps), 2026-12-04 (3dfeb67), 2-core AMD EPYC CPU with AVX-512, run alone;
+seeds 0-4 0.818 +- 0.074 (`arith_espo_seeds.json`). At 035ebc6 seed 0 gave 0.875 and seeds 0-4
+0.906 +- 0.041 (`arith_espo_summary.json`). See experiments/results/README.md for both, the
+recipe log and what the difference comes from.
 
 Laptop-size variant (tiny model, 2 RL steps), as the tests run it:
 

@@ -7,6 +7,8 @@ import json
 import os
 import re
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(REPO, "README.md")).read()
 
@@ -51,6 +53,25 @@ def test_ms_zve_table_is_the_stored_benchmark():
                for c in configs.values()]
     assert rows["ZV rate, generated groups"] == rate
     assert rows["trained tokens without gradient"] == no_grad
+
+
+def test_seed_table_is_the_stored_curves():
+    """The README's default-experiment rows per seed are `arith_espo_seeds.json`'s first and
+    last held-out accuracy of each seed's curve, with their mean and sample std as printed."""
+    with open(os.path.join(REPO, "experiments", "results", "arith_espo_seeds.json")) as f:
+        curves = json.load(f)["curves"]
+    seeds = [f"seed{i}" for i in range(5)]
+    assert sorted(curves) == seeds
+    for label, at in (("| warm start |", 0), ("| after 120 ESPO steps |", -1)):
+        rows = [line for line in README.splitlines() if line.startswith(label)
+                and line.count("|") == 8]
+        assert len(rows) == 1, label
+        values = np.array([curves[s][at][1] for s in seeds])
+        if at == -1:
+            assert all(curves[s][-1][0] == 120 for s in seeds)
+        cells = [c.strip().strip("*") for c in rows[0].split("|")[2:-1]]
+        assert cells == [f"{v:.3f}" for v in values] + [
+            f"{values.mean():.3f} +- {values.std(ddof=1):.3f}"], rows[0]
 
 
 def _stored_aggregate(name):
