@@ -62,13 +62,12 @@ def test_seed_table_is_the_stored_curves():
         curves = json.load(f)["curves"]
     seeds = [f"seed{i}" for i in range(5)]
     assert sorted(curves) == seeds
+    assert all(curves[s][0][0] == 0 and curves[s][-1][0] == 120 for s in seeds)
     for label, at in (("| warm start |", 0), ("| after 120 ESPO steps |", -1)):
         rows = [line for line in README.splitlines() if line.startswith(label)
                 and line.count("|") == 8]
         assert len(rows) == 1, label
         values = np.array([curves[s][at][1] for s in seeds])
-        if at == -1:
-            assert all(curves[s][-1][0] == 120 for s in seeds)
         cells = [c.strip().strip("*") for c in rows[0].split("|")[2:-1]]
         assert cells == [f"{v:.3f}" for v in values] + [
             f"{values.mean():.3f} +- {values.std(ddof=1):.3f}"], rows[0]
