@@ -18,7 +18,7 @@ import types
 import ml_collections
 
 from espo_jax import sharding
-from espo_jax.models.config import DISPATCHES, PRESETS
+from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
 
 REPLAY_MODES = ("r3", "r2", "off")
 LOOPS = ("sync", "async")
@@ -44,6 +44,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.hf_path = ""  # initial weights and config: a Hugging Face directory or a .gguf file
     c.model.rope_theta = 0.0  # RoPE base; 0 keeps the preset's (Qwen3's 1e6)
     c.model.aux_loss_coef = -1.0  # load-balancing loss weight; < 0 keeps the preset's (1e-3)
+    # the positions the MoE aux losses average over: "real" tokens, or "all" positions of the
+    # learner's rows, padding included (packed rows have little; unpacked ones ~36% here)
+    c.model.aux_loss_tokens = "real"
     c.model.remat = False  # recompute each block's activations in the backward pass
     c.model.attention_chunk = 0  # > 0: attention over query chunks of this many tokens (memory)
     # n > 1: the learner's attention in n query blocks that skip the keys after them (always
@@ -350,6 +353,7 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     _choice(errors, config, "mode", MODES)
     _choice(errors, config, "model.preset", PRESETS)
     _choice(errors, config, "model.dispatch", DISPATCHES)
+    _choice(errors, config, "model.aux_loss_tokens", AUX_LOSS_TOKENS)
     _choice(errors, config, "data.name", ("arith_chains", "math_jsonl"))
     _choice(errors, config, "eval.split", ("validation", "test"))
     _choice(errors, config, "rollout.vllm.quantization", ("fp8", "none"))

@@ -2,20 +2,20 @@
 
     python launch/recipe_validation.py --workdir /tmp/recipe_val [--seeds=0,1,2]
         [--init_from 'WARM/seed{seed}/warmstart'] [--num_prompts=600] [--eval_every=40]
-        [--jobs=2] [--change=NAME:KEY=VALUE ...] [--report_only]
+        [--jobs=2] [--change=NAME:KEY=VALUE[,KEY=VALUE...] ...] [--report_only]
 
 Every run is `experiments/arith_espo.py` (the full recipe: 120 RL steps) from its seed's warm
-start, evaluated on `--num_prompts` prompts of the validation split every `--eval_every` steps
-and at the end; the test split is not read. Run `recipe` is the recipe as it is; every
-`--change` runs it with one `--config.KEY=VALUE` (default: anchor 0.5, 16 prompts per step, no
-step credit). Runs live in WORKDIR/seed{S}/NAME. The warm start is `--init_from` (`{seed}` in
-it becomes each seed), or the recipe's own per seed (WORKDIR/seed{S}/warm, `train.steps=0`).
+start, evaluated on `--num_prompts` prompts of the validation split every `--eval_every` steps and
+at the end; the test split is not read. Run `recipe` is the recipe as it is; every `--change` runs
+it with its `--config.KEY=VALUE` settings (default, one setting each: anchor 0.5, 16 prompts per
+step, no step credit). Runs live in WORKDIR/seed{S}/NAME. The warm start is `--init_from` (`{seed}`
+in it becomes each seed), or the recipe's own per seed (WORKDIR/seed{S}/warm, `train.steps=0`).
 Runs execute WORKDIR/code (a copy of the package made at the first launch, as `loss_seeds.py`
-does); a finished run is not run again, so the same command resumes, and more seeds can be
-added later. Writes WORKDIR/recipe_validation.json (per run and seed the final and per-evaluation
-validation accuracy, the mean and std over seeds, each change's per-seed difference to the
-recipe and their mean and std; the commit, the CPU) and WORKDIR/recipe_validation.png (the
-curves, a panel per seed).
+does); a finished run is not run again, so the same command resumes, and more seeds can be added
+later. Writes WORKDIR/recipe_validation.json (per run and seed the final and per-evaluation
+validation accuracy, the mean and std over seeds, each change's per-seed difference to the recipe
+and their mean and std; the commit, the CPU) and WORKDIR/recipe_validation.png (the curves, a panel
+per seed).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ flags.DEFINE_list("seeds", ["0"], "--config.seed of the runs: one set of runs pe
 flags.DEFINE_integer("num_prompts", 600, "validation prompts per evaluation")
 flags.DEFINE_integer("eval_every", 40, "RL steps between evaluations")
 flags.DEFINE_integer("jobs", 2, "main jobs at a time", lower_bound=1)
-flags.DEFINE_multi_string("change", list(CHANGES), "NAME:KEY=VALUE, one run per change")
+flags.DEFINE_multi_string("change", list(CHANGES),
+                          "NAME:KEY=VALUE[,KEY=VALUE...], one run per change")
 flags.DEFINE_bool("report_only", False, "run nothing: the json and plot of finished runs")
 flags.DEFINE_bool("small", False, "the experiment's small variant: a smoke test")
 flags.mark_flag_as_required("workdir")
@@ -49,14 +50,16 @@ FLAGS = flags.FLAGS
 
 
 def parse_changes(changes: list[str]) -> dict[str, list[str]]:
-    """{"recipe": [], NAME: ["--config.KEY=VALUE"]} from NAME:KEY=VALUE (a clear error else)."""
+    """{"recipe": [], NAME: ["--config.KEY=VALUE", ...]} from NAME:KEY=VALUE[,KEY=VALUE...]
+    (a clear error else)."""
     runs: dict[str, list[str]] = {"recipe": []}
     for change in changes:
-        name, sep, setting = change.partition(":")
-        if not sep or not name or "=" not in setting or name in runs:
-            raise app.UsageError(f"--change={change!r}: expected NAME:KEY=VALUE with a new NAME "
-                                 "(e.g. anchor0.5:train.anchor_coef=0.5)")
-        runs[name] = [f"--config.{setting}"]
+        name, sep, settings = change.partition(":")
+        pairs = [s.partition("=") for s in settings.split(",")]
+        if not sep or not name or name in runs or not all(k and eq for k, eq, _ in pairs):
+            raise app.UsageError(f"--change={change!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] "
+                                 "with a new NAME (e.g. anchor0.5:train.anchor_coef=0.5)")
+        runs[name] = [f"--config.{s}" for s in settings.split(",")]
     return runs
 
 

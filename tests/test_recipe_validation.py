@@ -52,6 +52,15 @@ def test_report_only_names_each_change_and_its_validation_curve(tmp_path):
     assert (tmp_path / "recipe_validation.png").stat().st_size > 0
 
 
+def test_a_change_of_several_settings_is_one_run(tmp_path):
+    _finished(str(tmp_path / "seed0" / "recipe"), 0.5, [(0, 0.5), (3, 0.7)])
+    _finished(str(tmp_path / "seed0" / "unpacked"), 0.5, [(0, 0.5), (3, 0.6)])
+    result, out = _report(tmp_path, "--change=unpacked:train.pack=False,train.share_prompts=False")
+    assert result["runs"]["unpacked"]["change"] == ["train.pack=False", "train.share_prompts=False"]
+    assert result["runs"]["unpacked"]["minus_recipe"] == {"0": pytest.approx(-0.1)}
+    assert "train.pack=False train.share_prompts=False" in out
+
+
 def test_seeds_give_mean_std_and_paired_differences_on_the_seeds_both_finished(tmp_path):
     """Recipe on seeds 0 and 1, the change on 0 and 2 (its seed 1 still running): means and
     sample std over each run's own seeds; the difference to the recipe only where both ran."""
@@ -71,7 +80,8 @@ def test_seeds_give_mean_std_and_paired_differences_on_the_seeds_both_finished(t
     assert "vs recipe -0.100" in out
 
 
-@pytest.mark.parametrize("change", ["anchor", "x:train.anchor_coef", "recipe:optim.lr=1e-4"])
+@pytest.mark.parametrize("change", ["anchor", "x:train.anchor_coef", "recipe:optim.lr=1e-4",
+                                    "x:train.pack=False,train.share_prompts", "x:a=1,=2"])
 def test_a_malformed_change_is_refused_before_anything_runs(tmp_path, change):
     proc = subprocess.run([sys.executable, SCRIPT, f"--workdir={tmp_path}", f"--change={change}"],
                           capture_output=True, text=True, timeout=120)

@@ -11,6 +11,9 @@ from typing import Any
 
 DISPATCHES = ("dropless", "dropless_loop", "capacity", "ragged", "dense")
 _DTYPES = ("float32", "bfloat16", "float16")
+# the positions the MoE aux losses average over: "real" tokens (Hugging Face's
+# `load_balancing_loss_func` with an attention mask), or "all" of a batch's rows, padding included
+AUX_LOSS_TOKENS = ("real", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ModelConfig:
     rms_eps: float = 1e-6
     max_seq_len: int = 2048
     aux_loss_coef: float = 0.001  # weight of the load-balancing loss in `aux_loss`
+    aux_loss_tokens: str = "real"  # positions the aux losses average over (AUX_LOSS_TOKENS)
     z_loss_coef: float = 0.0  # weight of the router z-loss in `aux_loss`
     dtype: str = "float32"  # compute dtype of matmuls (norms, router, softmax stay fp32)
     param_dtype: str = "float32"
@@ -82,6 +86,9 @@ class ModelConfig:
             errors.append(f"shared_expert_d_ff must be >= 0, got {self.shared_expert_d_ff}")
         if self.dispatch not in DISPATCHES:
             errors.append(f"dispatch {self.dispatch!r} is not one of {DISPATCHES}")
+        if self.aux_loss_tokens not in AUX_LOSS_TOKENS:
+            errors.append(f"aux_loss_tokens {self.aux_loss_tokens!r} is not one of "
+                          f"{AUX_LOSS_TOKENS}")
         if self.causal_blocks < 1:
             errors.append(f"causal_blocks must be >= 1 (1: one block), got {self.causal_blocks}")
         if self.attention_chunk < 0:

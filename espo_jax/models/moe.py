@@ -476,7 +476,10 @@ class MoeBlock(nn.Module):
             gate = dense(c, 1, ("embed", None), "shared_expert_gate")(xc)
             y_NxD = y_NxD + nn.sigmoid(gate.astype(jnp.float32)).astype(c.dtype) * shared
 
-        stats = {"load_balance_loss": load_balance_loss(logits_NxE, idx_Nxk, mask_N),
-                 "z_loss": z_loss(logits_NxE, mask_N), "dropped_frac": dropped}
+        aux_N = mask_N  # the aux losses' token weights
+        if c.aux_loss_tokens == "all" and mask_N is not None:  # padding positions count once
+            aux_N = jnp.where(mask_N > 0, mask_N, 1).astype(jnp.float32)
+        stats = {"load_balance_loss": load_balance_loss(logits_NxE, idx_Nxk, aux_N),
+                 "z_loss": z_loss(logits_NxE, aux_N), "dropped_frac": dropped}
         return (y_NxD.reshape(b, t, d), logits_NxE.reshape(b, t, e),
                 idx_Nxk.reshape(b, t, c.top_k), stats)

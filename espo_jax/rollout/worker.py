@@ -65,7 +65,8 @@ from espo_jax.zve import PromptScheduler, offline_pass
 from espo_jax.zve.status import ACTIVE, PRUNED, RETIRED
 
 # Model fields a run chooses for itself (`run_setup.runtime_overrides`): not the architecture.
-_RUNTIME_FIELDS = ("dispatch", "remat", "attention_chunk", "causal_blocks", "aux_loss_coef")
+_RUNTIME_FIELDS = ("dispatch", "remat", "attention_chunk", "causal_blocks", "aux_loss_coef",
+                   "aux_loss_tokens")
 _OFFLINE_SEED = 1 << 20  # offline rounds draw from fold_in(key(seed), this + round)
 
 

@@ -50,6 +50,7 @@ def abstract_params(cfg):
         (dict(head_dim=15), "head_dim must be even"),
         (dict(dtype="float64"), "dtype 'float64' is not one of"),
         (dict(attention_chunk=-1), "attention_chunk must be >= 0 (0: unchunked), got -1"),
+        (dict(aux_loss_tokens="padded"), "aux_loss_tokens 'padded' is not one of ('real', 'all')"),
     ],
 )
 def test_config_rejects_bad_values(changes, message):
@@ -135,6 +136,38 @@ def test_forward_shapes_and_metrics(params, tokens, fwd):
     np.testing.assert_allclose(z, np.mean(zs), rtol=1e-6)
     assert out.metrics["moe/dropped_frac"] == 0.0
     np.testing.assert_allclose(out.aux_loss, 0.001 * lb, rtol=1e-6)  # z_loss_coef is 0
+
+
+def test_aux_losses_over_real_tokens_or_all_positions(params, tokens, fwd):
+    """`aux_loss_tokens`: "real" averages the load-balancing and z-losses over real tokens at
+    their weights (a shared prompt's token stands for several), "all" over every position,
+    padding at weight 1; the routing itself is the same."""
+    segments = jnp.array([[1] * 12, [1] * 8 + [0] * 4])  # row 1 ends in 4 padding positions
+    # `RLBatch.token_weights`: 0 on padding; a prompt shared by 3 responses counts 3 times
+    weights = jnp.where(segments > 0, 1.0, 0.0).at[0, :3].set(3.0)
+    cfg = TINY.replace(z_loss_coef=0.01)
+    counted = {"real": weights.reshape(-1),
+               "all": jnp.where(segments > 0, weights, 1.0).reshape(-1)}
+    for tokens_counted, w in counted.items():
+        out = fwd(cfg.replace(aux_loss_tokens=tokens_counted), params, tokens,
+                  segment_ids_BxT=segments, token_weights_BxT=weights)
+        logits = [out.router_logits[m].reshape(24, 8) for m in range(2)]
+        lb = np.mean([moe.load_balance_loss(lg, out.routed_experts[:, :, m].reshape(24, 2), w)
+                      for m, lg in enumerate(logits)])
+        z = np.mean([moe.z_loss(lg, w) for lg in logits])
+        np.testing.assert_allclose(out.metrics["moe/load_balance_loss"], lb, rtol=1e-6)
+        np.testing.assert_allclose(out.metrics["moe/z_loss"], z, rtol=1e-6)
+        np.testing.assert_allclose(out.aux_loss, 0.001 * lb + 0.01 * z, rtol=1e-6)
+        if tokens_counted == "real":
+            real_lb, real_routing = lb, out.routed_experts
+    assert abs(lb - real_lb) > 1e-4  # the padding positions moved it
+    np.testing.assert_array_equal(out.routed_experts, real_routing)
+    # without token weights (unpacked rows): "all" is the plain mean over the 24 positions
+    out = fwd(cfg.replace(aux_loss_tokens="all"), params, tokens, segment_ids_BxT=segments)
+    np.testing.assert_allclose(out.metrics["moe/load_balance_loss"], np.mean(
+        [moe.load_balance_loss(out.router_logits[m].reshape(24, 8),
+                               out.routed_experts[:, :, m].reshape(24, 2)) for m in range(2)]),
+        rtol=1e-6)
 
 
 def test_wrong_shapes_are_rejected(params, tokens, fwd):
