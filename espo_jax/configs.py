@@ -104,8 +104,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.prefill_rows = 16  # prompts per prefill call (padded to one length per call)
     # Slot groups of the embedded engine, each decoded by its own host thread (num_slots /
     # engine_shards slots each): on a CPU one per core (XLA runs a decode step's small ops one
-    # after another); 1 on an accelerator.
-    c.rollout.engine_shards = 2
+    # after another); 1 on an accelerator. 0: that choice (`rollout.engine.auto_shards`: 2 on
+    # a CPU of 2 or more cores, the most measured).
+    c.rollout.engine_shards = 0
     c.rollout.reward_workers = 2  # reward pool workers (overlapped with decoding)
     c.rollout.reward_timeout_s = 5.0  # a reward call running longer counts as failed
     c.rollout.max_failed_reward_frac = 0.5  # a step with a larger share of responses whose reward
@@ -221,7 +222,6 @@ _BOUNDS = (
     *((key, 1, True, None) for key in (
         "rollout.prompts_per_step", "zve.n_samples", "rollout.max_new_tokens",
         "rollout.num_slots", "rollout.steps_per_sync", "rollout.prefill_rows",
-        "rollout.engine_shards",
         "train.updates_per_batch", "train.micro_batches", "train.grad_threads",
         "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tensor", "train.logprob_chunk",
         "rollout.max_inflight_batches")),
@@ -229,6 +229,7 @@ _BOUNDS = (
     ("warmstart.lr", 0.0, False, None),
     ("optim.warmup_steps", 0, True, None),
     ("train.pack_len", 0, True, None),
+    ("rollout.engine_shards", 0, True, None),
     ("optim.final_lr_frac", 0.0, True, 1.0),
     ("warmstart.batch_size", 1, True, None),
     ("checkpoint.every", 1, True, None),
@@ -446,7 +447,7 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 f"train.micro_batches = {config.train.grad_threads} * "
                 f"{config.train.micro_batches} (a one-device mesh splits each update's rows "
                 "into grad_threads parts)")
-        if config.rollout.num_slots % config.rollout.engine_shards:
+        if config.rollout.engine_shards and config.rollout.num_slots % config.rollout.engine_shards:
             errors.append(
                 f"rollout.num_slots = {config.rollout.num_slots} not divisible by "
                 f"rollout.engine_shards = {config.rollout.engine_shards} (each shard holds "

@@ -99,6 +99,11 @@ def test_divisibility_messages_name_the_numbers():
     with pytest.raises(ValueError, match=r"rollout.num_slots = 16 not divisible by "
                                          r"rollout.engine_shards = 3"):
         configs.validate(c, n_devices=8)
+    c.rollout.engine_shards = 0  # auto: the engine picks a divisor of the slots
+    configs.validate(c, n_devices=8)
+    c.rollout.engine_shards = -1
+    with pytest.raises(ValueError, match=r"rollout.engine_shards"):
+        configs.validate(c, n_devices=8)
 
 
 def test_packing_refuses_micro_batches():

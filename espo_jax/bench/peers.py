@@ -64,7 +64,7 @@ from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig
 from espo_jax.rl.loss_config import paper_loss_config
-from espo_jax.rollout.engine import Engine, Request
+from espo_jax.rollout.engine import Engine, Request, auto_shards
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import state as state_lib
 from espo_jax.train.learner import Learner
@@ -158,12 +158,12 @@ class EspoGrpo:
             jax.tree.map(jnp.asarray, params))
         self.learner = Learner(c, model_config, mesh, jax.tree.map(lambda x: x.sharding,
                                                                    self.state))
+        shards = c.rollout.engine_shards or auto_shards(PROMPTS * SAMPLES)
         self.engine = Engine(model_config, sampling=SamplingConfig(
             temperature=1.0, max_new_tokens=NEW_TOKENS), max_slots=PROMPTS * SAMPLES,
             steps_per_sync=c.rollout.steps_per_sync,
-            prefill_rows=PROMPTS // c.rollout.engine_shards,  # one prefill call per shard
-            max_cache_len=PROMPT_LEN + NEW_TOKENS, precision="fp32",
-            shards=c.rollout.engine_shards)
+            prefill_rows=PROMPTS // shards,  # one prefill call per shard
+            max_cache_len=PROMPT_LEN + NEW_TOKENS, precision="fp32", shards=shards)
         self.requests = [Request(prompt_id=str(i), tokens=p, n_samples=SAMPLES)
                          for i, p in enumerate(prompts)]
         self.steps = 0
@@ -198,7 +198,7 @@ class EspoGrpo:
 
 def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[int]]):
     """A blocking generate() of GEN_SEQS samples x GEN_NEW tokens (one sample per prompt)."""
-    shards = configs.default_config().rollout.engine_shards
+    shards = configs.default_config().rollout.engine_shards or auto_shards(len(prompts))
     engine = Engine(model_config, params, sampling=SamplingConfig(
         temperature=1.0, max_new_tokens=GEN_NEW), max_slots=len(prompts),
         steps_per_sync=8, prefill_rows=len(prompts) // shards,  # one prefill call per shard

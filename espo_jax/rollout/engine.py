@@ -37,6 +37,7 @@ module holds the `Engine`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 
@@ -69,6 +70,18 @@ from espo_jax.rollout.sampling import SamplingConfig
 
 
 # ---- the engine ---------------------------------------------------------------------------------
+def auto_shards(max_slots: int) -> int:
+    """Slot groups for `Engine(shards=0)`: 1 on an accelerator (it runs a step's ops in
+    parallel); on a CPU one per core, at most 2 (measured on 2 cores: one group keeps one core
+    busy, four ran slower than two; more cores untested), a divisor of `max_slots`."""
+    if jax.default_backend() != "cpu":
+        return 1
+    n = max(1, min(2, os.cpu_count() or 1, max_slots))
+    while max_slots % n:
+        n -= 1
+    return n
+
+
 class Engine:
     """Fixed-slot generation engine; see module doc. `params` are the learner's (float) params."""
 
@@ -88,11 +101,12 @@ class Engine:
         fp8_storage: bool = False,
         shards: int = 1,
     ):
-        if min(max_slots, steps_per_sync, prefill_rows, shards) < 1:
+        if min(max_slots, steps_per_sync, prefill_rows) < 1 or shards < 0:
             raise ValueError(
-                f"max_slots ({max_slots}), steps_per_sync ({steps_per_sync}), prefill_rows "
-                f"({prefill_rows}) and shards ({shards}) must be >= 1"
+                f"max_slots ({max_slots}), steps_per_sync ({steps_per_sync}) and prefill_rows "
+                f"({prefill_rows}) must be >= 1, shards ({shards}) >= 0 (0: `auto_shards`)"
             )
+        shards = shards or auto_shards(max_slots)
         if max_slots % shards:
             raise ValueError(f"max_slots ({max_slots}) must be a multiple of shards ({shards}): "
                              f"each shard holds max_slots / shards decode slots")

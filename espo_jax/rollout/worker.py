@@ -89,7 +89,7 @@ class WorkerConfig:
     max_cache_len: int = 256
     steps_per_sync: int = 4
     prefill_rows: int = 16
-    engine_shards: int = 1  # slot groups of the JAX engine, one host thread each
+    engine_shards: int = 1  # slot groups of the JAX engine, one host thread each (0: auto)
     admission: str = "longest_first"  # or "fifo"
     reward_workers: int = 2
     reward_timeout_s: float = 10.0

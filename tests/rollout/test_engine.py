@@ -5,6 +5,7 @@ One fp32 engine and one FP8 engine (tiny model) are compiled for the module; sam
 are per-slot arrays, so greedy and sampled runs share the compiled step.
 """
 
+import os
 import threading
 
 import jax
@@ -233,6 +234,17 @@ def test_shards_sample_what_one_engine_samples(sampled_groups, params):
     assert stats["engine/decode_steps"] == 36
     with pytest.raises(ValueError, match=r"max_slots \(6\) must be a multiple of shards \(4\)"):
         engine_lib.Engine(CONFIG, params, max_slots=6, shards=4)
+
+
+def test_auto_shards_one_per_core_up_to_two_dividing_the_slots():
+    """shards=0 (the default config's): on this CPU backend min(2, cores), lowered to a
+    divisor of the slots; the engine runs that many."""
+    two = 2 if (os.cpu_count() or 1) >= 2 else 1
+    assert jax.default_backend() == "cpu"
+    assert [engine_lib.auto_shards(n) for n in (64, 6, 3, 1)] == [two, two, 1, 1]
+    assert engine_lib.Engine(CONFIG, max_slots=8, shards=0).shards == two
+    with pytest.raises(ValueError, match=r"shards \(-1\) >= 0"):
+        engine_lib.Engine(CONFIG, max_slots=8, shards=-1)
 
 
 def test_a_failing_shard_stops_the_other(params):
