@@ -59,7 +59,7 @@ def parse_changes(changes: list[str]) -> dict[str, list[str]]:
         if not sep or not name or name in runs or not all(k and eq for k, eq, _ in pairs):
             raise app.UsageError(f"--change={change!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] "
                                  "with a new NAME (e.g. anchor0.5:train.anchor_coef=0.5)")
-        runs[name] = [f"--config.{s}" for s in settings.split(",")]
+        runs[name] = [f"--config.{k}={v}" for k, _, v in pairs]
     return runs
 
 
