@@ -114,6 +114,17 @@ def write_cache(
     )
 
 
+def write_cache_keys(
+    cache_BxKxAxS: jax.Array, new_BxTxKxA: jax.Array, slots_BxT: jax.Array
+) -> jax.Array:
+    """`write_cache` for the keys' [B, K, A, S] layout (slots the minor axis)."""
+    b, _, k, _ = new_BxTxKxA.shape
+    b_idx, k_idx = jnp.arange(b)[:, None, None], jnp.arange(k)[None, None, :]
+    return cache_BxKxAxS.at[b_idx, k_idx, :, slots_BxT[:, :, None]].set(
+        new_BxTxKxA.astype(cache_BxKxAxS.dtype), mode="drop"
+    )
+
+
 # Segment ids of a shared prefix and its continuations: g * PREFIX_STRIDE + m (g >= 1) is
 # member m of group g, m = 0 the prefix (e.g. a prompt, once) that members 1, 2, ... (its
 # responses) all attend to; ids below PREFIX_STRIDE are plain sequences.
@@ -129,14 +140,18 @@ def segment_visible(query_seg: jax.Array, key_seg: jax.Array) -> jax.Array:
 
 
 def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
-                segments_BxT: jax.Array | None = None, *, keys_BxKxSxA: jax.Array,
-                values_BxKxSxA: jax.Array, key_pos_BxS: jax.Array, key_valid_BxS: jax.Array,
+                segments_BxT: jax.Array | None = None, *, keys_BxKxSxA: jax.Array | None = None,
+                keys_BxKxAxS: jax.Array | None = None, values_BxKxSxA: jax.Array,
+                key_pos_BxS: jax.Array, key_valid_BxS: jax.Array,
                 key_segments_BxS: jax.Array | None = None, dtype: Any) -> jax.Array:
     """Softmax attention of queries at `positions_BxT` over the keys at positions <= theirs
     that are valid (and, given segment ids, of the query's own segment or its shared prefix:
     packed rows, `segment_visible`); scores
     and softmax in fp32. Materialises the [B, K, G, T, S] scores. Keys and values are kv-head
-    major, the KV cache's layout: a decode step reads each head's keys as one [S, A] block."""
+    major; the keys either [B, K, S, A] or, as the KV cache holds them, [B, K, A, S]
+    (`init_cache`; exactly one of the two is given)."""
+    if (keys_BxKxSxA is None) == (keys_BxKxAxS is None):
+        raise ValueError("give exactly one of keys_BxKxSxA and keys_BxKxAxS")
     b, t, kv, g, a = q_BxTxKxGxA.shape
     # Queries kv-head major, a head's G*T query rows as one matrix: [B, K, G*T, A] x [B, K, S, A]
     # products (at the default update's shape, fwd + bwd of one layer's attention with Eigen's
@@ -148,25 +163,30 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
     if key_segments_BxS is not None:
         mask_BxTxS &= segment_visible(segments_BxT[:, :, None], key_segments_BxS[:, None, :])
     if t > 1:
+        if keys_BxKxSxA is None:
+            keys_BxKxSxA = jnp.swapaxes(keys_BxKxAxS, 2, 3)
         out_BxKxQxA = softmax_attention(q_BxKxQxA, keys_BxKxSxA, values_BxKxSxA,
                                         mask_BxTxS[:, None, None], g, dtype)
         return jnp.moveaxis(out_BxKxQxA.reshape(b, kv, g, t, a), 3, 1)
-    # A decode step: the weighted sum of values as a broadcast product summed over the keys (a
-    # fused loop) rather than B*K matrix-vector products plus a transpose, which XLA:CPU runs
-    # slowly (a 64-slot decode step of the peers model: 4.18 -> 3.56 ms).
-    e, rowsum = _masked_softmax(q_BxKxQxA, keys_BxKxSxA, mask_BxTxS[:, None, None], g)
-    out_BxKxGxA = jnp.sum((e / rowsum).astype(dtype)[:, :, :, 0, :, None]
-                          * values_BxKxSxA[:, :, None], axis=-2)
+    # A decode step: with the cache's [A, S] keys both products are plain batched matmuls,
+    # [G, A] x [A, S] and [G, S] x [S, A] per slot and kv head (a 32-slot decode step of the
+    # peers model: keys [S, A] and the weighted values as a fused broadcast sum, 133 us a layer
+    # in the scores, values and o_proj products; 69 us).
+    keys, minor = (keys_BxKxSxA, "sa") if keys_BxKxAxS is None else (keys_BxKxAxS, "as")
+    e, rowsum = _masked_softmax(q_BxKxQxA, keys, mask_BxTxS[:, None, None], g, minor)
+    out_BxKxGxA = jnp.einsum("bkgs,bksa->bkga", (e / rowsum).astype(dtype)[:, :, :, 0],
+                             values_BxKxSxA)
     return out_BxKxGxA[:, None]
 
 
-def _masked_softmax(q_BxKxQxA, keys_BxKxSxA, mask, g: int):
+def _masked_softmax(q_BxKxQxA, keys, mask, g: int, keys_layout: str = "sa"):
     """(exp(scores - row max) [B, K, G, T, S] where `mask` (0 elsewhere), their row sums):
-    scores q.k / sqrt(A) in fp32. A finite minimum rather than -inf for the masked scores: a
-    query with no valid key (a padding query) gets a uniform, finite distribution instead of
-    NaN; its output is never used."""
+    scores q.k / sqrt(A) in fp32, the keys [B, K, S, A] (`keys_layout` "sa") or [B, K, A, S]
+    ("as"). A finite minimum rather than -inf for the masked scores: a query with no valid
+    key (a padding query) gets a uniform, finite distribution instead of NaN; its output is
+    never used."""
     b, kv, q, a = q_BxKxQxA.shape
-    scores = jnp.einsum("bkqa,bksa->bkqs", q_BxKxQxA, keys_BxKxSxA,
+    scores = jnp.einsum(f"bkqa,bk{keys_layout}->bkqs", q_BxKxQxA, keys,
                         preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv, g, q // g, -1) * (a ** -0.5)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
@@ -295,17 +315,19 @@ class Attention(nn.Module):
 
         new_cache = None
         if cache is None:
-            keys_BxKxSxA = jnp.swapaxes(k_BxTxKxA, 1, 2)
+            keys_BxKxSxA, keys_BxKxAxS = jnp.swapaxes(k_BxTxKxA, 1, 2), None
             values_BxKxSxA = jnp.swapaxes(v_BxTxKxA, 1, 2)
             key_pos_BxS, key_valid_BxS = positions_BxT, valid_BxT
             key_segments_BxS = segments_BxT
         else:
-            s = cache["k"].shape[2]
+            s = cache["v"].shape[2]
             # Padding tokens (valid False) are not written: their slot index S is dropped.
             slots_BxT = jnp.where(valid_BxT, positions_BxT, s)
-            new_cache = {"k": write_cache(cache["k"], k_BxTxKxA, slots_BxT),
+            new_cache = {"k": write_cache_keys(cache["k"], k_BxTxKxA, slots_BxT),
                          "v": write_cache(cache["v"], v_BxTxKxA, slots_BxT)}
-            keys_BxKxSxA = new_cache["k"].astype(c.dtype)
+            keys_BxKxSxA, keys_BxKxAxS = None, new_cache["k"].astype(c.dtype)
+            if t > 1:  # a prefill: transposed once, not per chunk of queries
+                keys_BxKxSxA, keys_BxKxAxS = jnp.swapaxes(keys_BxKxAxS, 2, 3), None
             values_BxKxSxA = new_cache["v"].astype(c.dtype)
             key_pos_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
             written_BxS = write_cache(jnp.zeros((b, 1, s, 1), bool),
@@ -316,8 +338,8 @@ class Attention(nn.Module):
         g = h // kv
         q_BxTxKxGxA = q_BxTxHxA.reshape(b, t, kv, g, a)
         attend = functools.partial(attend_keys, keys_BxKxSxA=keys_BxKxSxA,
-                                   values_BxKxSxA=values_BxKxSxA, key_pos_BxS=key_pos_BxS,
-                                   key_valid_BxS=key_valid_BxS,
+                                   keys_BxKxAxS=keys_BxKxAxS, values_BxKxSxA=values_BxKxSxA,
+                                   key_pos_BxS=key_pos_BxS, key_valid_BxS=key_valid_BxS,
                                    key_segments_BxS=key_segments_BxS, dtype=c.dtype)
         if c.attention_chunk and t > c.attention_chunk:
             out_BxTxKxGxA = chunked(attend, q_BxTxKxGxA, positions_BxT, segments_BxT,

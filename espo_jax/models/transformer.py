@@ -189,7 +189,7 @@ def forward(
         missing = [f"layers_{i}" for i in range(config.n_layers) if f"layers_{i}" not in cache]
         if missing:
             raise ValueError(f"cache lacks entries for {missing}; build it with init_cache")
-        s = cache["layers_0"]["k"].shape[2]
+        s = cache["layers_0"]["v"].shape[2]
         _check_shape("cache_mask_BxS", cache_mask_BxS, (b, s))
         cache_mask_BxS = jnp.asarray(cache_mask_BxS).astype(bool)
     hidden, logits, r_logits, experts, stats, new_cache = Transformer(config).apply(
@@ -243,10 +243,12 @@ def lm_head_kernel(config: ModelConfig, params: dict, dtype: Any = None) -> jax.
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:
-    """An empty KV cache: {"layers_{i}": {"k": [B, K, S, A], "v": [B, K, S, A]}}, zeros.
+    """An empty KV cache: {"layers_{i}": {"k": [B, K, A, S], "v": [B, K, S, A]}}, zeros.
     Slot s holds the token at position s; validity is the caller's `cache_mask_BxS`. Kv-head
-    major, so a decode step's attention reads each head's [S, A] keys without a transpose."""
+    major, the keys with the slots minor: a decode step's scores and weighted values are then
+    [G, A] x [A, S] and [G, S] x [S, A] products with no transpose (`layers.attend_keys`)."""
     dtype = dtype or config.dtype
     shape = (batch, config.n_kv_heads, max_len, config.head_dim)
-    return {f"layers_{i}": {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    shape_k = (batch, config.n_kv_heads, config.head_dim, max_len)
+    return {f"layers_{i}": {"k": jnp.zeros(shape_k, dtype), "v": jnp.zeros(shape, dtype)}
             for i in range(config.n_layers)}

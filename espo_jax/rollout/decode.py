@@ -57,7 +57,7 @@ class SlotSampling:
 class DecodeState:
     """Everything about the B decode slots; S = max_cache_len."""
 
-    cache: dict  # per layer k, v [B, K, S, A]
+    cache: dict  # per layer k [B, K, A, S], v [B, K, S, A] (`models.init_cache`)
     cache_mask_BxS: jax.Array  # True = slot holds a real token of the row's sequence
     tokens_BxS: jax.Array  # prompt then sampled tokens
     logprobs_BxS: jax.Array  # at sampled positions
@@ -125,11 +125,12 @@ def _insert(prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R, sp: Slo
     p, s = prefix.tokens_NxP.shape[1], state.tokens_BxS.shape[1]
     r = slots_R.shape[0]
     n_R = prefix.lengths_N[rows_R]
-    cache = jax.tree.map(
-        lambda c, new: c.at[slots_R, :, :p].set(new[rows_R].astype(c.dtype), mode="drop"),
-        state.cache,
-        prefix.cache,
-    )
+    # the prefix's P slots of each layer: the keys' slot axis is 3 ([B, K, A, S]), the values' 2
+    put_slots = {"k": lambda c, x: c.at[slots_R, :, :, :p].set(x, mode="drop"),
+                 "v": lambda c, x: c.at[slots_R, :, :p].set(x, mode="drop")}
+    cache = {layer: {n: put_slots[n](c, prefix.cache[layer][n][rows_R].astype(c.dtype))
+                     for n, c in kv.items()}
+             for layer, kv in state.cache.items()}
     tok_R, lp_R = sample(
         prefix.logits_NxV[rows_R],
         jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, 0),

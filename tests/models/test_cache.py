@@ -64,10 +64,11 @@ def decoded(step, tiny_params, seqs):
 
 
 def test_init_cache_layout():
-    cache = init_cache(TINY, 3, 16, jnp.bfloat16)
+    cache = init_cache(TINY, 3, 12, jnp.bfloat16)
     assert set(cache) == {"layers_0", "layers_1"}
-    assert cache["layers_1"]["k"].shape == (3, 2, 16, 16)  # [B, K, S, A]
-    assert cache["layers_1"]["v"].dtype == jnp.bfloat16
+    assert cache["layers_1"]["k"].shape == (3, 2, TINY.head_dim, 12)  # [B, K, A, S]
+    assert cache["layers_1"]["v"].shape == (3, 2, 12, TINY.head_dim)  # [B, K, S, A]
+    assert cache["layers_1"]["k"].dtype == cache["layers_1"]["v"].dtype == jnp.bfloat16
 
 
 def test_cached_decode_equals_full_forward(decoded, reference, step):
@@ -83,8 +84,11 @@ def test_cached_decode_equals_full_forward(decoded, reference, step):
 def test_padding_tokens_are_not_written(decoded):
     _, _, cache, cache_mask = decoded
     # row 1 holds 9 tokens; slots 9.. were never written (still zero)
-    np.testing.assert_array_equal(np.asarray(cache["layers_0"]["k"][1, :, 9:]), 0.0)
-    assert np.abs(np.asarray(cache["layers_0"]["k"][1, :, :9])).min(axis=(0, 2)).all()
+    keys_KxAxS, values_KxSxA = (np.asarray(cache["layers_0"][n][1]) for n in "kv")
+    np.testing.assert_array_equal(keys_KxAxS[:, :, 9:], 0.0)
+    np.testing.assert_array_equal(values_KxSxA[:, 9:], 0.0)
+    assert np.abs(keys_KxAxS[:, :, :9]).min(axis=(0, 1)).all()
+    assert np.abs(values_KxSxA[:, :9]).min(axis=(0, 2)).all()
     np.testing.assert_array_equal(cache_mask.sum(1), LENS)
 
 
@@ -104,8 +108,9 @@ def test_slot_reuse_for_a_new_sequence(step, decoded, tiny_params, fwd):
                 positions_BxT=POSITIONS, attention_mask_BxT=POSITIONS < 5)
     np.testing.assert_allclose(out.logits[1], fresh.logits[0, :5], atol=1e-5)
     for i in range(TINY.n_layers):
-        np.testing.assert_array_equal(out.cache[f"layers_{i}"]["k"][0],
-                                      cache[f"layers_{i}"]["k"][0])
+        for name in "kv":
+            np.testing.assert_array_equal(out.cache[f"layers_{i}"][name][0],
+                                          cache[f"layers_{i}"][name][0])
 
 
 def test_cache_needs_a_mask(tiny_params, seqs):
@@ -114,3 +119,28 @@ def test_cache_needs_a_mask(tiny_params, seqs):
     with pytest.raises(ValueError, match=r"cache_mask_BxS has shape \(2, 5\), expected \(2, 24\)"):
         forward(TINY, tiny_params, seqs[:, :1], cache=init_cache(TINY, 2, S),
                 cache_mask_BxS=np.zeros((2, 5), bool))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_attend_keys_either_key_layout(t):
+    """The cache's [B, K, A, S] keys give the attention [B, K, S, A] keys give, for a decode
+    step (T = 1) and for a prefill (T > 1); the keys are given in exactly one layout."""
+    from espo_jax.models.layers import attend_keys
+
+    b, kv, g, a, s = 2, 2, 2, 8, 6
+    q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+               enumerate([(b, t, kv, g, a), (b, kv, s, a), (b, kv, s, a)]))
+    positions = jnp.array([[3], [5]]) + jnp.arange(t) - (t - 1)
+    common = dict(values_BxKxSxA=v, key_pos_BxS=jnp.broadcast_to(jnp.arange(s), (b, s)),
+                  key_valid_BxS=jnp.arange(s)[None] != 1, dtype=jnp.float32)
+    out = attend_keys(q, positions, keys_BxKxSxA=k, **common)
+    out_t = attend_keys(q, positions, keys_BxKxAxS=jnp.swapaxes(k, 2, 3), **common)
+    np.testing.assert_allclose(out_t, out, rtol=1e-6, atol=1e-6)
+    # by hand: row 0's last query sees slots 0, 2, 3 (slot 1 invalid, 4-5 later positions)
+    seen = np.array([0, 2, 3])
+    scores = np.einsum("ga,sa->gs", q[0, -1, 0], k[0, 0, seen]) / np.sqrt(a)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    np.testing.assert_allclose(out[0, -1, 0], (p / p.sum(-1, keepdims=True)) @ v[0, 0, seen],
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="exactly one"):
+        attend_keys(q, positions, keys_BxKxSxA=k, keys_BxKxAxS=jnp.swapaxes(k, 2, 3), **common)
