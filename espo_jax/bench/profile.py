@@ -50,7 +50,7 @@ from espo_jax.bench.peers import generate_flops_per_token
 from espo_jax.models import get_preset, init_params
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout import decode
-from espo_jax.rollout.engine import Engine, Request
+from espo_jax.rollout.engine import Engine, Request, auto_shards
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import pack_sequences
@@ -249,14 +249,16 @@ def train_program(config: ModelConfig, batch: int, seq: int):
 
 
 def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens: int):
-    """bench peers' generation: the engine's `generate_groups`, one sample per prompt."""
+    """bench peers' generation: the engine's `generate_groups`, one sample per prompt, over
+    `rollout.engine_shards` shards of seqs / shards slots, one prefill call per shard."""
     params = init_params(config, jax.random.key(0))
     steps_per_sync = 8
+    shards = configs.default_config().rollout.engine_shards or auto_shards(seqs)
     engine = Engine(config, params, sampling=SamplingConfig(temperature=1.0,
                                                             max_new_tokens=new_tokens),
                     max_slots=seqs, steps_per_sync=steps_per_sync,
-                    prefill_rows=min(16, seqs), max_cache_len=prompt_len + new_tokens,
-                    precision="fp32", shards=configs.default_config().rollout.engine_shards)
+                    prefill_rows=seqs // shards, max_cache_len=prompt_len + new_tokens,
+                    precision="fp32", shards=shards)
     rng = np.random.default_rng(1)
     requests = [Request(prompt_id=str(i), n_samples=1,
                         tokens=[int(t) for t in rng.integers(0, config.vocab_size, prompt_len)])
@@ -268,9 +270,16 @@ def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens
         groups = engine.generate_groups(requests, rng=jax.random.key(calls[0]))
         return sum(len(r.tokens) for g in groups for r in g.responses)
 
-    # The decode program exactly as the engine calls it (its config, weights and state).
-    modules = dict([compiled_text(decode.generate_jit, engine.config, steps_per_sync,
-                                  engine.params, engine.init_decode_state())])
+    # The decode and prefill programs exactly as each shard calls them (its slots, its rows):
+    # compiled for other shapes, the op names would not match the traced ones.
+    state = decode.init_state_jit(engine.config, seqs // shards, engine.max_cache_len,
+                                  engine.max_stop_tokens)
+    p = engine.prefill_len(prompt_len)
+    modules = dict([
+        compiled_text(decode.generate_jit, engine.config, steps_per_sync, engine.params, state),
+        compiled_text(decode.prefill_jit, engine.config, engine.params,
+                      jnp.zeros((engine.prefill_rows, p), jnp.int32),
+                      jnp.ones((engine.prefill_rows,), jnp.int32))])
     flops = sum(generate_flops_per_token(config, prompt_len + t) for t in range(new_tokens)) * seqs
     return call, modules, flops, seqs * new_tokens
 
@@ -320,7 +329,7 @@ def profile(name: str, program, repeats: int, traced_calls: int, peak: float) ->
     rows = [[part, *(f"{phases.get(ph, 0.0):.1f}" for ph in ("forward", "backward")),
              f"{100 * sum(phases.values()) / total_ms:.1f}%"]
             for part, phases in figures["by_part_ms"].items()]
-    for label, key in (("other programs (prefill, insert, ...)", "other_programs_ms"),
+    for label, key in (("other programs (insert, ...)", "other_programs_ms"),
                        ("ops without metadata", "unattributed_ms")):
         if figures[key]:
             rows.append([label, f"{figures[key]:.1f}", "-",

@@ -66,3 +66,18 @@ def test_a_traced_program_is_attributed_and_adds_up():
                - figures["other_programs_ms"]) < 1e-9
     assert figures["by_kind_ms"]["matmul"] > 0
     assert set(figures["by_part_ms"]) <= set(profile.PARTS)
+
+
+def test_generation_ops_are_attributed_to_the_programs_the_shards_run():
+    """The engine runs its decode and prefill programs per shard (seqs / shards slots, one
+    prefill call per shard); compiled for the whole engine's shapes the op names would not
+    match the trace's, and most of the time would go unattributed."""
+    from espo_jax.models import get_preset
+
+    call, modules, _, tokens = profile.generate_program(get_preset("tiny"), 8, 16, 8)
+    assert tokens == 8 * 8 and call() == tokens
+    assert {name.split(".")[0] for name in modules} == {"jit__generate", "jit__prefill"}
+    figures = profile.breakdown(profile.traced_op_seconds(call, 1), modules, calls=1)
+    attributed = sum(sum(p.values()) for p in figures["by_part_ms"].values())
+    assert attributed > 0.8 * figures["thread_ms_per_call"], figures
+    assert {"attention", "MoE experts (matmuls)", "sampling"} <= set(figures["by_part_ms"])
