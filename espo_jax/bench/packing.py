@@ -9,7 +9,11 @@ once: `share_prompts`), and the fused ESPO loss + gradients + AdamW update runs 
 alternation (medians of repeats), compile apart; the packed rows also with attention in 4
 query blocks that skip the keys after them (`model.causal_blocks=4`). The
 gradients agree (tests/train/test_packing.py, tests/models/test_model.py); this measures only
-the time.
+the time. Last, the update as the learner runs it (`train.grad_threads` parts of the rows,
+balanced by tokens with each prompt's responses together, each packed with shared prompts,
+their gradients at once on as many threads, joined into one AdamW update), and each layout's
+achieved model FLOP/s (PaLM's 6N + 12LHAT per computed real token, `bench model`) against the
+peak of a jitted fp32 `jnp.dot` measured in the same process.
 
     python -m espo_jax.bench packing [--quick] [--out FILE.json]
 """
@@ -19,24 +23,27 @@ from __future__ import annotations
 import functools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from espo_jax import configs
 from espo_jax.bench import format_table
-from espo_jax.bench.model import interleaved_medians
+from espo_jax.bench.model import interleaved_medians, peak_matmul_flops, train_flops_per_token
 from espo_jax.models import get_preset, init_params
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import step as step_lib
-from espo_jax.train.batch import pack_sequences
+from espo_jax.train.batch import balance_rows, pack_sequences, prompt_keys
 
 PROMPT_LEN, NEW_TOKENS = 20, 52
 N_BLOCKS = 4
 BLOCKS = f"packed, attention in {N_BLOCKS} causal blocks"
 SAMPLES = 8  # responses per prompt (the default experiment's G)
 SHARED = "packed, shared prompts"
+LEARNER = "learner: shared prompts, {n} gradient threads"
 
 
 def sequences(config, n: int, *, prompt_len: tuple[int, int] = (8, PROMPT_LEN),
@@ -87,6 +94,49 @@ def espo_update(config, lr: float = 1e-4):
     return update, tx
 
 
+def threaded_update(config, args, kw, threads: int, lr: float = 1e-4):
+    """(blocking update(), [parts' batches]): the update as the learner makes it with
+    `train.grad_threads` = threads: the sequences split into `threads` parts of rows / threads
+    rows by tokens with each prompt's responses in one part (`balance_rows`), each part packed
+    with shared prompts, their `rl_part_gradients` at once on as many threads, `join_parts`
+    and one AdamW update."""
+    prompts, responses, *_ = args
+    rows = kw["rows"] // threads
+    order = balance_rows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)],
+                         threads, rows, prompt_keys(prompts, args[3]))
+    n = len(prompts)
+    parts = []
+    for d in range(threads):
+        mine = [i for i in order[d * rows:(d + 1) * rows] if i < n]
+        part_args = [[a[i] for i in mine] for a in args[:4]] + [a[mine] for a in args[4:]]
+        parts.append(jax.tree.map(jnp.asarray, pack_sequences(
+            *part_args, **{**kw, "rows": rows}, pack=True, share_prompts=True)))
+    loss_config = paper_loss_config("espo")
+    loss_config.vocab_size = config.vocab_size
+    options = step_lib.compiler_options()
+    grad = jax.jit(functools.partial(
+        step_lib.rl_part_gradients, model_config=config, loss_config=loss_config,
+        replay="r3", chunk_size=64, zvp_alpha=0.0, n_micro=1, fused=True),
+        compiler_options=options)
+    tx = optax.adamw(lr)
+
+    @functools.partial(jax.jit, compiler_options=options)
+    def apply(params, opt_state, outs):
+        loss, grads, _ = step_lib.join_parts(outs)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = init_params(config, jax.random.key(0))
+    opt_state = tx.init(params)
+    pool = ThreadPoolExecutor(threads)
+
+    def update():
+        outs = list(pool.map(lambda b: jax.block_until_ready(grad(params, b)), parts))
+        return jax.block_until_ready(apply(params, opt_state, outs))
+
+    return update, parts
+
+
 def run(quick: bool) -> dict:
     config = get_preset("tiny" if quick else "small")
     rows = 32 if quick else 256
@@ -124,21 +174,40 @@ def run(quick: bool) -> dict:
                          "token_slots": int(batch.tokens.size), "real_tokens": n_real,
                          "padding_frac": 1 - n_real / batch.tokens.size,
                          "compile_s": compile_s, "loss": loss}
+    threads = configs.default_config().train.grad_threads
+    learner = LEARNER.format(n=threads)
+    fns[learner], parts = threaded_update(config, args, kw, threads)
+    start = time.perf_counter()
+    loss = float(fns[learner]()[2])
+    figures[learner] = {
+        "model_rows": sum(int(b.tokens.shape[0]) for b in parts),
+        "row_len": int(parts[0].tokens.shape[1]),
+        "token_slots": sum(int(b.tokens.size) for b in parts),
+        "real_tokens": sum(int(np.sum(np.asarray(b.segment_ids) > 0)) for b in parts),
+        "compile_s": time.perf_counter() - start, "loss": loss, "grad_threads": threads}
+    figures[learner]["padding_frac"] = (1 - figures[learner]["real_tokens"]
+                                        / figures[learner]["token_slots"])
     secs = interleaved_medians(fns, repeats)
+    peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
+    figures["peak_matmul_flops"] = peak
     for name in fns:
-        figures[name]["update_s"] = secs[name]
+        f = figures[name]
+        f["update_s"] = secs[name]
+        f["model_flops"] = train_flops_per_token(config, f["row_len"]) * f["real_tokens"]
+        f["of_peak"] = f["model_flops"] / secs[name] / peak
     figures["packed_speedup"] = secs["padded"] / secs["packed"]
     figures["shared_speedup"] = secs["packed"] / secs[SHARED]
     figures["causal_blocks_speedup"] = secs["packed"] / secs[BLOCKS]
     figures["load_average"] = os.getloadavg()
     rows_out = [[name, f"{f['model_rows']} x {f['row_len']}", f["token_slots"],
                  f"{100 * f['padding_frac']:.1f}%", f"{f['update_s']:.3f}",
-                 f"{f['compile_s']:.1f}", f"{f['loss']:.6f}"]
+                 f"{100 * f['of_peak']:.1f}%", f"{f['compile_s']:.1f}", f"{f['loss']:.6f}"]
                 for name, f in ((n, figures[n]) for n in fns)]
     print(f"{figures['preset']}: {rows} sequences, ESPO + R3 fused update with AdamW; medians "
-          f"of {repeats}, interleaved; load average {figures['load_average'][0]:.1f}")
+          f"of {repeats}, interleaved; load average {figures['load_average'][0]:.1f}; "
+          f"jnp.dot peak {peak / 1e9:.0f} GFLOP/s")
     print(format_table(["layout", "model rows x width", "token slots", "padding",
-                        "update s", "compile s", "loss"], rows_out))
+                        "update s", "model FLOP/s of peak", "compile s", "loss"], rows_out))
     print(f"packed update: {figures['packed_speedup']:.2f}x the padded one's speed; shared "
           f"prompts: {figures['shared_speedup']:.2f}x the packed one's; attention in "
           f"{N_BLOCKS} causal blocks: {figures['causal_blocks_speedup']:.2f}x one block's")

@@ -63,3 +63,12 @@ def test_packing_quick_same_loss_fewer_slots(tmp_path):
     shared = f["packed, shared prompts"]
     assert shared["real_tokens"] < f["packed"]["real_tokens"]
     assert abs(shared["loss"] - f["packed"]["loss"]) < 1e-5
+    # The learner's update: its gradient parts, each with shared prompts, joined into the
+    # whole batch's loss; every layout's FLOP/s counts its own computed tokens.
+    learner = f["learner: shared prompts, 2 gradient threads"]
+    assert learner["grad_threads"] == 2 and learner["real_tokens"] <= f["packed"]["real_tokens"]
+    assert abs(learner["loss"] - f["packed"]["loss"]) < 1e-5
+    for name in ("padded", "packed", "learner: shared prompts, 2 gradient threads"):
+        assert 0 < f[name]["of_peak"] < 1
+        assert f[name]["model_flops"] == pytest.approx(
+            f[name]["of_peak"] * f[name]["update_s"] * f["peak_matmul_flops"])
