@@ -169,9 +169,9 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
                                         mask_BxTxS[:, None, None], g, dtype)
         return jnp.moveaxis(out_BxKxQxA.reshape(b, kv, g, t, a), 3, 1)
     # A decode step: with the cache's [A, S] keys both products are plain batched matmuls,
-    # [G, A] x [A, S] and [G, S] x [S, A] per slot and kv head (a 32-slot decode step of the
-    # peers model: keys [S, A] and the weighted values as a fused broadcast sum, 133 us a layer
-    # in the scores, values and o_proj products; 69 us).
+    # [G, A] x [A, S] and [G, S] x [S, A] per slot and kv head. A 32-slot decode step of the
+    # peers model, scores + weighted values + o_proj per layer: 133 us with [S, A] keys and
+    # the values as a fused broadcast sum, 69 us so.
     keys, minor = (keys_BxKxSxA, "sa") if keys_BxKxAxS is None else (keys_BxKxAxS, "as")
     e, rowsum = _masked_softmax(q_BxKxQxA, keys, mask_BxTxS[:, None, None], g, minor)
     out_BxKxGxA = jnp.einsum("bkgs,bksa->bkga", (e / rowsum).astype(dtype)[:, :, :, 0],
