@@ -36,7 +36,7 @@ from espo_jax.bench.model import interleaved_medians, peak_matmul_flops, train_f
 from espo_jax.models import get_preset, init_params
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import step as step_lib
-from espo_jax.train.batch import balance_rows, pack_sequences, prompt_keys
+from espo_jax.train.batch import balanced_parts, pack_sequences, prompt_keys
 
 PROMPT_LEN, NEW_TOKENS = 20, 52
 N_BLOCKS = 4
@@ -97,17 +97,14 @@ def espo_update(config, lr: float = 1e-4):
 def threaded_update(config, args, kw, threads: int, lr: float = 1e-4):
     """(blocking update(), [parts' batches]): the update as the learner makes it with
     `train.grad_threads` = threads: the sequences split into `threads` parts of rows / threads
-    rows by tokens with each prompt's responses in one part (`balance_rows`), each part packed
-    with shared prompts, their `rl_part_gradients` at once on as many threads, `join_parts`
-    and one AdamW update."""
+    rows by tokens with each prompt's responses in one part (`batch.balanced_parts`), each
+    part packed with shared prompts, their `rl_part_gradients` at once on as many threads,
+    `join_parts` and one AdamW update."""
     prompts, responses, *_ = args
     rows = kw["rows"] // threads
-    order = balance_rows([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)],
-                         threads, rows, prompt_keys(prompts, args[3]))
-    n = len(prompts)
     parts = []
-    for d in range(threads):
-        mine = [i for i in order[d * rows:(d + 1) * rows] if i < n]
+    for mine in balanced_parts([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)],
+                               threads, rows, prompt_keys(prompts, args[3])):
         part_args = [[a[i] for i in mine] for a in args[:4]] + [a[mine] for a in args[4:]]
         parts.append(jax.tree.map(jnp.asarray, pack_sequences(
             *part_args, **{**kw, "rows": rows}, pack=True, share_prompts=True)))

@@ -105,6 +105,14 @@ def balance_rows(lengths: Sequence[int], n_shards: int, rows_per_shard: int,
     return [i for s in shards for i in s]
 
 
+def balanced_parts(lengths: Sequence[int], n_parts: int, rows_per_part: int,
+                   keys: Sequence[Hashable] | None = None) -> list[list[int]]:
+    """`balance_rows` as each part's sequence indices (its padding rows left out)."""
+    order = balance_rows(lengths, n_parts, rows_per_part, keys)
+    return [[i for i in order[d * rows_per_part:(d + 1) * rows_per_part] if i < len(lengths)]
+            for d in range(n_parts)]
+
+
 def fill_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     """First-fit decreasing: sequences (by index) per row of `seq_len` tokens."""
     rows: list[list[int]] = []

@@ -36,7 +36,7 @@ from espo_jax import console, distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
 from espo_jax.rl.advantages import ADVANTAGES, overlong_penalty, zvp_signs
 from espo_jax.train import step as step_lib
-from espo_jax.train.batch import RLBatch, balance_rows, pack_sequences, prompt_keys, rl_seq_len
+from espo_jax.train.batch import RLBatch, balanced_parts, pack_sequences, prompt_keys, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
 from espo_jax.zve.groups import require_scored
@@ -318,14 +318,10 @@ class Learner:
             lengths = [len(p) + len(r.tokens) for p, r in chunk]
             keys = (prompt_keys([p for p, _ in chunk], [r.routed_experts for _, r in chunk])
                     if self.share_prompts else None)  # a prompt's responses in one part
-            order = balance_rows(lengths, self.grad_threads, self.rows_per_part, keys)
-            parts = []
-            for d in range(self.grad_threads):
-                idx = [i for i in order[d * self.rows_per_part:(d + 1) * self.rows_per_part]
-                       if i < len(chunk)]
-                parts.append(self._pack_chunk([chunk[i] for i in idx], adv[idx], signs[idx],
-                                              self.rows_per_part))
-            out.append(parts)
+            out.append([self._pack_chunk([chunk[i] for i in idx], adv[idx], signs[idx],
+                                         self.rows_per_part)
+                        for idx in balanced_parts(lengths, self.grad_threads,
+                                                  self.rows_per_part, keys)])
         return out
 
     def update(self, state: TrainState, groups: Sequence[RolloutGroup],
