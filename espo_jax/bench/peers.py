@@ -196,9 +196,14 @@ class EspoGrpo:
         return t2 - t0
 
 
+def engine_shards(slots: int) -> int:
+    """The default config's `rollout.engine_shards` for an engine of `slots` slots (0: auto)."""
+    return configs.default_config().rollout.engine_shards or auto_shards(slots)
+
+
 def espo_generate(model_config: ModelConfig, params: dict, prompts: list[list[int]]):
     """A blocking generate() of GEN_SEQS samples x GEN_NEW tokens (one sample per prompt)."""
-    shards = configs.default_config().rollout.engine_shards or auto_shards(len(prompts))
+    shards = engine_shards(len(prompts))
     engine = Engine(model_config, params, sampling=SamplingConfig(
         temperature=1.0, max_new_tokens=GEN_NEW), max_slots=len(prompts),
         steps_per_sync=8, prefill_rows=len(prompts) // shards,  # one prefill call per shard

@@ -42,15 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo_jax import configs, host_memory
+from espo_jax import host_memory
 from espo_jax.bench import format_table, median_time
 from espo_jax.bench.model import jax_train_step, peak_matmul_flops, train_flops_per_token
 from espo_jax.bench.packing import espo_update, sequences
-from espo_jax.bench.peers import generate_flops_per_token
+from espo_jax.bench.peers import engine_shards, generate_flops_per_token
 from espo_jax.models import get_preset, init_params
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout import decode
-from espo_jax.rollout.engine import Engine, Request, auto_shards
+from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import pack_sequences
@@ -253,7 +253,7 @@ def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens
     `rollout.engine_shards` shards of seqs / shards slots, one prefill call per shard."""
     params = init_params(config, jax.random.key(0))
     steps_per_sync = 8
-    shards = configs.default_config().rollout.engine_shards or auto_shards(seqs)
+    shards = engine_shards(seqs)
     engine = Engine(config, params, sampling=SamplingConfig(temperature=1.0,
                                                             max_new_tokens=new_tokens),
                     max_slots=seqs, steps_per_sync=steps_per_sync,
