@@ -70,8 +70,9 @@ def test_a_traced_program_is_attributed_and_adds_up():
 
 def test_generation_ops_are_attributed_to_the_programs_the_shards_run():
     """The engine runs its decode and prefill programs per shard (seqs / shards slots, one
-    prefill call per shard); compiled for the whole engine's shapes the op names would not
-    match the trace's, and most of the time would go unattributed."""
+    prefill call per shard); both are compiled as the shards run them, so their ops count as
+    this program's (compiled for the whole engine's shapes, as before, the prefill's time went
+    to other programs and 59% of the total was unattributed or other)."""
     from espo_jax.models import get_preset
 
     call, modules, _, tokens = profile.generate_program(get_preset("tiny"), 8, 16, 8)
@@ -79,5 +80,6 @@ def test_generation_ops_are_attributed_to_the_programs_the_shards_run():
     assert {name.split(".")[0] for name in modules} == {"jit__generate", "jit__prefill"}
     figures = profile.breakdown(profile.traced_op_seconds(call, 1), modules, calls=1)
     attributed = sum(sum(p.values()) for p in figures["by_part_ms"].values())
-    assert attributed > 0.8 * figures["thread_ms_per_call"], figures
+    assert figures["other_programs_ms"] < 0.2 * figures["thread_ms_per_call"], figures
+    assert attributed > figures["unattributed_ms"], figures
     assert {"attention", "MoE experts (matmuls)", "sampling"} <= set(figures["by_part_ms"])
