@@ -30,7 +30,7 @@ TOPICS = {
         "zve/zero_variance_frac_after_filter",
         "zve/wasted_token_frac",
     ),
-    "mismatch": ("mismatch/mean_abs_logp", "mismatch/kl_k3", "moe/routing_flip_rate"),
+    "mismatch": ("mismatch/logp_abs_mean", "mismatch/kl_k3", "moe/routing_flip_rate"),
     "entropy": ("entropy/mean",),
     "clipping": ("pg/clipfrac_low", "pg/clipfrac_high", "pg/dual_clip_frac"),
     # The importance ratio's tails: all 1 with one update per rollout batch.

@@ -148,7 +148,7 @@ def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
     assert {"eval", "rl"} <= phases
     assert ("warmstart" in phases) == (config.warmstart.steps > 0)
     rl = [r for r in records if r["phase"] == "rl" and "train/loss" in r]
-    for key in ("mismatch/mean_abs_logp", "moe/routing_flip_rate", "zve/zero_variance_frac_before",
+    for key in ("mismatch/logp_abs_mean", "moe/routing_flip_rate", "zve/zero_variance_frac_before",
                 "entropy/mean", "train/grad_norm"):
         assert all(r[key] is not None for r in rl), key
     for r in rl:  # the step's time splits into rollout (generate + score) and learner update

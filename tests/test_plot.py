@@ -23,7 +23,7 @@ def _write_run(workdir, with_clipping=True):
         r = {"step": step, "phase": "rl", "rollout/accuracy": 0.1 * step,
              "rollout/reward_mean": 0.1 * step, "zve/zero_variance_frac_before": 0.8,
              "zve/zero_variance_frac_after_filter": 0.2, "zve/wasted_token_frac": 0.5,
-             "mismatch/mean_abs_logp": 0.004, "mismatch/kl_k3": None,  # non-finite -> null
+             "mismatch/logp_abs_mean": 0.004, "mismatch/kl_k3": None,  # non-finite -> null
              "moe/routing_flip_rate": 0.01, "entropy/mean": 1.5 - 0.1 * step}
         if with_clipping:  # the off-policy topics: clip fractions, ratio tails, ESPO's eps
             r.update({"pg/clipfrac_low": 0.01, "pg/clipfrac_high": 0.02,

@@ -380,10 +380,10 @@ class Learner:
         for m in jax.device_get(metrics):
             for k, v in m.items():
                 merged.setdefault(k, []).append(np.asarray(v))
-        out = {k: float(np.mean(v)) for k, v in merged.items()}
-        out["train/max_abs_logp_mismatch"] = float(
-            np.max(merged.get("mismatch/max_abs_logp", [0.0]))
-        )
+        # Over the update's parts: maxima stay maxima, token counts add up, the rest average.
+        out = {k: float(np.max(v) if k.endswith("_max") else
+                        np.sum(v) if k.startswith("mismatch/tokens") else np.mean(v))
+               for k, v in merged.items()}
         if out.get("train/skipped_update", 0) > 0:
             logging.warning("non-finite loss or gradient: %d update(s) skipped",
                             int(sum(merged["train/skipped_update"])))

@@ -243,7 +243,7 @@ class Run:
         meta["rl_step"] = step
         meta["generated_tokens"] += int(zmetrics.get("zve/tokens_generated", 0))
         meta["wasted_tokens"] += int(zmetrics.get("zve/wasted_tokens", 0))
-        meta["mismatch_sum"] += lmetrics.get("mismatch/mean_abs_logp", 0.0)
+        meta["mismatch_sum"] += lmetrics.get("mismatch/logp_abs_mean", 0.0)
         meta["mismatch_n"] += 1
 
 

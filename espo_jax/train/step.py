@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from espo_jax import models
+from espo_jax import mismatch, models
 from espo_jax.rl import logprobs as rl_logprobs
 from espo_jax.rl import losses
 from espo_jax.rl.advantages import zvp_token_advantages
@@ -94,43 +94,29 @@ def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: 
     )
 
 
-def mismatch_metrics(logp, ent, out, batch: RLBatch):
-    """Train-inference mismatch of the old policy's `logp` / `ent` (no gradient) against the
-    engine's behaviour log-probs, and the learner's own live routing `out` would choose (None
-    without MoE layers). Returns (metrics, own_routing)."""
-    mask = batch.loss_mask
-    delta = jnp.abs(logp - batch.behaviour_logp) * mask
-    log_ratio = (batch.behaviour_logp - logp) * mask  # log(pi_sampler / pi_learner)
-    metrics = {
-        "mismatch/mean_abs_logp": _masked_mean(delta, mask),
-        "mismatch/max_abs_logp": jnp.max(delta),
-        # k3 estimator of KL(sampler || learner) from sampler samples.
-        "mismatch/kl_k3": _masked_mean(jnp.exp(-log_ratio) - 1.0 + log_ratio, mask),
-        "mismatch/is_weight_max": jnp.max(jnp.where(mask > 0, jnp.exp(-log_ratio), 0.0)),
-        "entropy/mean": _masked_mean(ent, mask),
-    }
-    own_routing = None
+def old_policy_metrics(logp, ent, out, batch: RLBatch):
+    """The old policy's train-inference mismatch (`espo_jax.mismatch.mismatch_metrics` of its
+    `logp`, no gradient, against the engine's behaviour log-probs; the flip rate of its live
+    routing against the recorded one) and its mean entropy. Returns (metrics, own_routing):
+    the experts the learner's own live router chooses (None without MoE layers)."""
+    own = None
     if out.routed_experts is not None and out.router_logits:
-        # The learner's own live top-k (what it would choose without replay).
-        k = out.routed_experts.shape[-1]
-        logits_BxTxMxE = jax.lax.stop_gradient(jnp.stack(out.router_logits, axis=2))
-        own_routing = jax.lax.top_k(logits_BxTxMxE, k)[1].astype(jnp.int32)
-        if batch.routed_experts is not None:
-            recorded = batch.routed_experts[..., 0, 0] >= 0  # positions with a recording
-            if batch.token_weights is not None:  # a shared prompt's token once per response
-                recorded = recorded * batch.token_weights
-            flips = models.routing_flip_rate(own_routing, batch.routed_experts, recorded)
-            metrics["moe/routing_flip_rate"] = jnp.mean(flips)
-            for i in range(flips.shape[0]):
-                metrics[f"moe/routing_flip_rate_layer{i}"] = flips[i]
-    return metrics, own_routing
+        own = mismatch.own_routing(jnp.stack(out.router_logits, axis=2),
+                                   out.routed_experts.shape[-1])
+    routing = {}
+    if own is not None and batch.routed_experts is not None:
+        routing = dict(own_BxTxMxk=own, recorded_BxTxMxk=batch.routed_experts,
+                       position_weights_BxT=batch.token_weights)
+    metrics = mismatch.mismatch_metrics(logp, batch.behaviour_logp, batch.loss_mask, **routing)
+    metrics["entropy/mean"] = _masked_mean(ent, batch.loss_mask)
+    return metrics, own
 
 
 def old_policy_pass(params, batch: RLBatch, *, model_config, replay: str, chunk_size: int):
     """Old-policy log-probs/entropies (no gradient) and train-inference mismatch metrics."""
     logp, ent, out = _frozen_pass(params, batch, model_config, replay, chunk_size)
     logp, ent = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
-    metrics, own_routing = mismatch_metrics(logp, ent, out, batch)
+    metrics, own_routing = old_policy_metrics(logp, ent, out, batch)
     return batch.replace(old_logp=logp, old_entropy=ent, old_routed_experts=own_routing), metrics
 
 
@@ -178,7 +164,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
     fused_metrics = {}
     if fused:
         old_logp, old_ent = jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent)
-        fused_metrics, _ = mismatch_metrics(old_logp, old_ent, out, batch)
+        fused_metrics, _ = old_policy_metrics(old_logp, old_ent, out, batch)
         batch = batch.replace(old_logp=old_logp, old_entropy=old_ent)
     adv = token_advantages(batch, zvp_alpha, negative_scale)
     tis = loss_config.tis != "off"

@@ -12,6 +12,7 @@ from espo_jax.models.config import get_preset
 from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rl.advantages import rl_zvp
 from espo_jax.rl.loss_config import paper_loss_config
+from espo_jax.rollout import mismatch
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import state as state_lib
@@ -257,11 +258,11 @@ def test_update_changes_params_and_reports_mismatch(learner_setup):
     assert m["train/skipped_update"] == 0.0 and np.isfinite(m["train/loss"])
     # The fp32 engine computed the behaviour log-probs with the same weights and (replayed)
     # routing: learner and sampler agree to float rounding, and no token flips its experts.
-    assert m["mismatch/mean_abs_logp"] < 1e-4
-    assert m["train/max_abs_logp_mismatch"] < 1e-3
+    assert m["mismatch/logp_abs_mean"] < 1e-4
+    assert m["mismatch/logp_abs_max"] < 1e-3
     assert abs(m["mismatch/kl_k3"]) < 1e-6
-    for key in ("moe/routing_flip_rate", "moe/routing_flip_rate_layer0",
-                "moe/routing_flip_rate_layer1"):
+    for key in ("moe/routing_flip_rate", "moe/routing_flip_rate/layer_0",
+                "moe/routing_flip_rate/layer_1"):
         assert m[key] == 0.0, key
     assert m["entropy/mean"] > 0.0
 
@@ -286,10 +287,19 @@ def test_update_mismatch_metrics_measure_a_known_shift(learner_setup):
     # exp(-0.1) - 1 + 0.1 = 0.0048374 and the importance weight is exp(-0.1) = 0.904837.
     _, m = learner.update(make_state(params),
                           *_groups(generated, [[1.0, 0.0], [0.0, 1.0]], logp_shift=0.1))
-    assert m["mismatch/mean_abs_logp"] == pytest.approx(0.1, abs=1e-4)
-    assert m["train/max_abs_logp_mismatch"] == pytest.approx(0.1, abs=1e-3)
+    assert m["mismatch/logp_abs_mean"] == pytest.approx(0.1, abs=1e-4)
+    assert m["mismatch/logp_abs_max"] == pytest.approx(0.1, abs=1e-3)
     assert m["mismatch/kl_k3"] == pytest.approx(0.0048374, abs=2e-5)
     assert m["mismatch/is_weight_max"] == pytest.approx(0.904837, abs=1e-3)
+    # Benchmarks and the GPU check measure the same groups with the same function and names.
+    groups, _ = _groups(generated, [[1.0, 0.0], [0.0, 1.0]], logp_shift=0.1)
+    measured = mismatch.measure_mismatch(get_preset("tiny"), jax.device_get(params), groups,
+                                         replay=True)
+    assert set(measured) <= set(m)
+    for key in ("mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/kl_k3",
+                "mismatch/is_weight_max", "mismatch/tokens", "moe/routing_flip_rate",
+                "moe/routing_flip_rate/layer_1"):
+        assert measured[key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), key
 
 
 def test_update_skips_a_nan_minibatch(learner_setup):
@@ -347,7 +357,7 @@ def test_replay_modes(learner_setup):
             r.routed_experts = np.where(r.routed_experts >= 0, np.array([0, 1], np.int16), -1)
     f3, f2 = first_update("r3", forced), first_update("r2", forced)
     assert m3["moe/routing_flip_rate"] == 0.0 and f3["moe/routing_flip_rate"] > 0.5
-    assert f3["mismatch/mean_abs_logp"] > 10 * m3["mismatch/mean_abs_logp"]
+    assert f3["mismatch/logp_abs_mean"] > 10 * m3["mismatch/logp_abs_mean"]
     assert f3["train/grad_norm"] != pytest.approx(m3["train/grad_norm"], rel=1e-3)
     for key in ("train/loss", "train/grad_norm"):  # r2 ignores the recordings
         assert f2[key] == pytest.approx(m3[key], rel=1e-5, abs=1e-9), key
@@ -371,11 +381,11 @@ def test_single_minibatch_update_fuses_the_old_policy_pass(learner_setup):
     expected = {k: float(v) for k, v in {**m_old, **m_sep}.items()}
     state, m = lrn.update(make_state(params), *groups)
     assert int(state.step) == 1 and {name for name, _ in lrn._compiled} == {"fused_step"}
-    for key in ("train/loss", "train/grad_norm", "pg/loss", "mismatch/mean_abs_logp",
-                "mismatch/max_abs_logp", "mismatch/kl_k3", "entropy/mean",
+    for key in ("train/loss", "train/grad_norm", "pg/loss", "mismatch/logp_abs_mean",
+                "mismatch/logp_abs_max", "mismatch/kl_k3", "entropy/mean",
                 "moe/routing_flip_rate"):
         assert m[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-    assert m["mismatch/mean_abs_logp"] == pytest.approx(0.05, abs=1e-4)
+    assert m["mismatch/logp_abs_mean"] == pytest.approx(0.05, abs=1e-4)
     # XLA's memory report of the compiled update: its arguments hold the train state, at least
     # parameters plus Adam's two moments in fp32.
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -415,10 +425,10 @@ def test_grad_threads_update_as_one_program(learner_setup, updates, anchor):
     assert names2 == ({"fused_part", "anchor_part", "apply_parts"} if updates == 1
                       else {"old_pass", "part", "apply_parts"})
     assert names1 == ({"fused_step"} if updates == 1 else {"old_pass", "train_step"})
-    for key in ("train/loss", "pg/loss", "train/grad_norm", "mismatch/max_abs_logp",
-                "train/max_abs_logp_mismatch") + (("anchor/nll",) if anchor else ()):
+    for key in ("train/loss", "pg/loss", "train/grad_norm", "mismatch/logp_abs_max",
+                "mismatch/kl_k3") + (("anchor/nll",) if anchor else ()):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    assert m2["mismatch/mean_abs_logp"] == pytest.approx(0.05, abs=1e-4)
+    assert m2["mismatch/logp_abs_mean"] == pytest.approx(0.05, abs=1e-4)
     # Adam's first steps move each weight by about lr = 1e-2 either way: the same moves.
     for a, b in zip(p1, p2, strict=True):
         np.testing.assert_allclose(b, a, atol=2e-3)

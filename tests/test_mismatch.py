@@ -1,0 +1,47 @@
+"""One train-inference mismatch computation, one set of names (`espo_jax.mismatch`)."""
+
+import jax
+import numpy as np
+import pytest
+
+from espo_jax import mismatch
+
+
+def test_mismatch_metrics_by_hand():
+    # Two response tokens (the third position is padding): log r = learner - rollout = 0.5, 0.
+    learner = np.array([[-1.0, -2.0, 0.0]], np.float32)
+    rollout = np.array([[-1.5, -2.0, -7.0]], np.float32)
+    mask = np.array([[1.0, 1.0, 0.0]], np.float32)
+    # MoE layers M = 2, top-k 2. Position 0: layer 0 the same set in another order, layer 1 a
+    # different set; position 1 the same sets; position 2 not recorded (-1).
+    own = np.array([[[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[0, 1], [0, 1]]]], np.int32)
+    rec = np.array([[[[1, 0], [2, 1]], [[2, 1], [3, 0]], [[-1, -1], [-1, -1]]]], np.int32)
+    m = jax.device_get(mismatch.mismatch_metrics(learner, rollout, mask, own_BxTxMxk=own,
+                                                 recorded_BxTxMxk=rec))
+    assert m["mismatch/logp_abs_mean"] == pytest.approx(0.25)  # (0.5 + 0) / 2
+    assert m["mismatch/logp_abs_max"] == pytest.approx(0.5)
+    # k3 = mean(r - 1 - log r) = (e^0.5 - 1.5 + 0) / 2
+    assert m["mismatch/kl_k3"] == pytest.approx((np.exp(0.5) - 1.5) / 2, rel=1e-6)
+    assert m["mismatch/is_weight_max"] == pytest.approx(np.exp(0.5), rel=1e-6)
+    assert m["mismatch/tokens"] == 2
+    # Two recorded positions: layer 0 never flips, layer 1 flips at position 0.
+    assert m["moe/routing_flip_rate/layer_0"] == 0.0
+    assert m["moe/routing_flip_rate/layer_1"] == pytest.approx(0.5)
+    assert m["moe/routing_flip_rate"] == pytest.approx(0.25)
+    assert m["mismatch/tokens_at_flips"] == 1  # position 0 predicts a response token
+    assert m["mismatch/logp_abs_mean_at_flips"] == pytest.approx(0.5)
+    assert m["mismatch/logp_abs_mean_elsewhere"] == pytest.approx(0.0)
+    # A shared prompt's position counted three times: layer 1 flips at 3 of 4 weighted positions.
+    w = np.array([[3.0, 1.0, 1.0]], np.float32)
+    mw = mismatch.mismatch_metrics(learner, rollout, mask, own_BxTxMxk=own,
+                                   recorded_BxTxMxk=rec, position_weights_BxT=w)
+    assert float(mw["moe/routing_flip_rate/layer_1"]) == pytest.approx(0.75)
+
+
+def test_mismatch_metrics_without_routing_and_half_given():
+    x = np.zeros((1, 2), np.float32)
+    m = mismatch.mismatch_metrics(x, x, np.ones((1, 2)))
+    assert set(m) == {"mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/kl_k3",
+                      "mismatch/is_weight_max", "mismatch/tokens"}
+    with pytest.raises(ValueError, match="both own and recorded routing"):
+        mismatch.mismatch_metrics(x, x, x, own_BxTxMxk=np.zeros((1, 2, 1, 1), np.int32))
