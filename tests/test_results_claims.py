@@ -131,6 +131,8 @@ def claim_error(figures: str, name: str, expression: str):
         return f"{name}: no such stored file"
     value = evaluate(expression, name)
     printed = numbers(figures, figures_only=False)
+    if isinstance(value, str):
+        return None if value == figures else f"{figures}: {name} says {value!r} ({expression})"
     if isinstance(value, bool):
         return None if value else f"{figures}: {expression} is false in {name}"
     values = list(np.ravel(np.asarray(value, dtype=float)))
@@ -155,6 +157,28 @@ def uncovered(text: str, claims, where: str):
                 missing.append(f"{where}: {printed} ({', '.join(sorted(files))}): "
                                f"{block[:80]!r}")
     return missing
+
+
+def unprinted(docs, claims):
+    """Claims whose figures no block naming their file prints (rows left behind by an edit):
+    each number of a numeric claim, the whole text of a claim that is a string (a commit, a
+    date, a CPU) must appear in such a block. Comparisons are bounds, not printed values."""
+    printed, texts = {}, {}
+    for text in docs.values():
+        for block, files in blocks(text):
+            for f in files:
+                printed.setdefault(f, set()).update(p for p, _, _ in numbers(block))
+                texts.setdefault(f, []).append(block)
+    out = []
+    for figures, name, expression in claims:
+        value = evaluate(expression, name)
+        if isinstance(value, str):
+            if not any(figures in block for block in texts.get(name, ())):
+                out.append(f"{figures} ({name})")
+        elif not isinstance(value, bool):
+            out += [f"{p} ({name})" for p, _, _ in numbers(figures, False)
+                    if p not in printed.get(name, ())]
+    return out
 
 
 def _documents():
@@ -186,6 +210,11 @@ def test_every_figure_naming_a_stored_file_has_a_claim(where):
     assert not missing, "\n".join(missing)
 
 
+def test_every_claim_is_printed():
+    missing = unprinted(DOCS, CLAIMS)
+    assert not missing, "claims nothing prints: " + ", ".join(missing)
+
+
 def test_every_stored_file_is_cited_and_every_cited_file_is_stored():
     stored = {f for f in os.listdir(RESULTS) if f.endswith((".json", ".png"))}
     with open(RESULTS_README) as f:
@@ -207,6 +236,9 @@ def test_a_wrong_figure_is_caught():
     assert claim_error(figures.replace(text, wrong, 1), name, expression) is not None
     assert claim_error("1 2", name, expression) is not None
     assert claim_error("0.5", name, "j is None") is not None
+    assert claim_error("0123abc", "recipe_validation.json", 'j["commit"][:7]') is not None
+    assert unprinted({"doc": f"`{name}`: 0.5"}, [("0.5 0.25", name, "[0.5, 0.25]")]) == [
+        f"0.25 ({name})"]
 
     doc = f"The default gained 0.123 points (`{name}`).\n\n| a | b |\n|---|---|\n| 9.87 | x |\n"
     missing = uncovered(doc, CLAIMS, "doc")
