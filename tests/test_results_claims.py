@@ -37,8 +37,8 @@ FILE = re.compile(r"[\w.-]+\.(?:json|png)\b")
 
 
 def numbers(text: str, figures_only: bool = True):
-    """The numbers of `text` as (printed text without sign, commas or unit, float, decimals).
-    With figures_only, only those that are figures by the convention above."""
+    """The numbers of `text` as (printed text less a plus sign, commas and unit; its value; its
+    decimals). With figures_only, only those that are figures by the convention above."""
     text = re.sub(r"`[^`]*`", " ", text)
     text = re.sub(r"\]\([^)]*\)", "]", text)
     text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b", " ", text)
