@@ -4,11 +4,11 @@ Identical to `arith_espo.py` except for the loss (the recipe is `arith_common.py
 
     python -m espo_jax.main --config experiments/arith_dapo.py --workdir /tmp/espo_arith_dapo
 
-Measured from `arith_espo.py`'s seed-0 warm start (`--config.checkpoint.init_from`, as
-`python launch/arith_compare.py --workdir /tmp/arith_compare --jobs 1` runs it): held-out greedy
-accuracy 0.700 -> 0.810 (+11.0 points) after 120 RL steps (327 s of RL; ESPO +17.5),
-2026-12-01 (main at d39660c), 2-core AMD EPYC CPU, run alone. See
-experiments/results/arith_comparison.json.
+Measured over seeds 0-2 from the default's warm starts until `train.max_tokens=260000`, with
+`python launch/loss_seeds.py` (62a8942, 2026-12-03, 2-core AMD EPYC without AVX-512;
+experiments/results/loss_seeds_chosen_lr.json): test accuracy 0.705 on-policy (+2.5 +- 1.7 points
+over the warm starts), 0.730 off-policy with 4 updates per batch at lr 1e-4 (+5.0 +- 1.7 points).
+These runs rank none of the five losses: experiments/results/README.md ("The five losses").
 """
 
 import os

@@ -6,11 +6,10 @@ then ESPO on all levels with the FP8 embedded engine and router replay (R3). The
 
     python -m espo_jax.main --config experiments/arith_espo.py --workdir /tmp/espo_arith
 
-Measured: held-out greedy accuracy 0.700 -> 0.810 (+11.0 points) on seed 0 in 434 s (warm
-start + 120 RL steps), 2026-12-05 (d1001f0), 2-core AMD EPYC CPU with AVX-512, run alone;
-seeds 0-4 0.845 +- 0.066 (`arith_espo_seeds.json`). At 035ebc6 seed 0 gave 0.875 and seeds 0-4
-0.906 +- 0.041 (`arith_espo_summary.json`). See experiments/results/README.md for both, the
-recipe log and what the difference comes from.
+Measured: held-out greedy accuracy 0.700 -> 0.810 on seed 0 after 120 RL steps; seeds 0-4
+0.685 +- 0.027 -> 0.845 +- 0.066 (+16.0 +- 7.8 points); seed 0 at d1001f0, seeds 1-4 at
+fa07b85, 2026-12-05, 2-core AMD EPYC CPU with AVX-512 (experiments/results/arith_espo_seeds.json).
+See experiments/results/README.md for the seeds, the recipe on validation and the recipe log.
 
 Laptop-size variant (tiny model, 2 RL steps), as the tests run it:
 

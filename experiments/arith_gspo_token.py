@@ -7,11 +7,11 @@ per-token advantages.
 
     python -m espo_jax.main --config experiments/arith_gspo_token.py --workdir /tmp/espo_gspo_tok
 
-Measured with `python launch/loss_seeds.py --workdir DIR --jobs 2` (2026-12-02, 2-core AMD
-EPYC; from the seed-0 warm start, 260k generated tokens, one update per rollout batch): the
-same run as `arith_grpo.py` token for token (264668 generated tokens, test accuracy 0.705 in
-both): with ratios of exactly 1 its surrogate's gradient is GRPO's, as it must be. Its seeds
-beside the other four losses: experiments/results/README.md ("The five losses over seeds").
+Measured over seeds 0-2 with `python launch/loss_seeds.py` (62a8942, 2026-12-03, 2-core AMD
+EPYC without AVX-512; experiments/results/loss_seeds_chosen_lr.json): on-policy the same runs
+as `arith_grpo.py` token for token (test accuracy 0.650 / 0.700 / 0.725 in both): with ratios of
+exactly 1 its surrogate's gradient is GRPO's, as it must be. Its seeds beside the other four
+losses: experiments/results/README.md ("The five losses over seeds").
 """
 
 import os

@@ -3,12 +3,14 @@ start on the 1- and 2-digit sums, then RL on all three levels.
 
     python -m espo_jax.main --config experiments/my_task_espo.py --workdir /tmp/my_task
 
-Measured (2026-12-02, 2-core AMD EPYC, run alone; `experiments/results/my_task_summary.json`):
-held-out test accuracy 0.560 -> 0.573 after 40 RL steps (level 1 0.44 -> 0.33, level 2 0.92 ->
-0.96, level 3 0.21 -> 0.21; 150 prompts, so about +-4 points of noise) in 189 s. RL gains
-nothing measurable here at this budget. The lr and the warm start were chosen on the
-validation split (`--config.eval.split=validation`: lr 1e-3 0.327, 3e-4 0.560, 1e-4 0.593 from
-a warm start at 0.593; experiments/results/README.md).
+Measured (ad9c60d, 2026-12-02, 2-core AMD EPYC, run alone;
+experiments/results/my_task_summary.json): held-out test accuracy 0.560 -> 0.573 after 40 RL
+steps (level 1 0.44 -> 0.33, level 2 0.92 -> 0.96, level 3 0.21 -> 0.21; 150 prompts, within
+the noise) in 189 s. RL gains nothing measurable here at this budget.
+
+The lr and the warm start were chosen on the validation split (`--config.eval.split=validation`;
+`optim.lr=1e-4` kept the warm start's accuracy, larger rates lowered it; those runs are not
+stored): experiments/results/README.md.
 
 Any task function works the same way from the command line:
 

@@ -18,8 +18,11 @@ filesystem (`launch/slurm_vllm.sbatch`). The TPU variant runs the learner on a T
 
 Measured: not yet run at full scale (no GPU or TPU run). On paper only: 30,532,122,624
 parameters, 3,353,032,704 active (by hand and via `jax.eval_shape` in
-tests/test_qwen3_30b_config.py), and one layer's gradient at 16k compiled both ways (the memory
-bullet below), 2026-12-01, CPU XLA; see experiments/results/attention_bench.json.
+tests/test_qwen3_30b_config.py).
+
+One layer's gradient at 16384 tokens, compiled on CPU XLA both ways (5c05076, 2026-12-01;
+experiments/results/attention_bench.json): 145.3 GiB of temporaries with full attention,
+7.73 GiB with query chunks of 1024.
 
 Laptop-size variant (tiny MoE, arithmetic, JAX engine, sync loop; what the tests run):
 
@@ -40,8 +43,8 @@ Choices where the papers are silent (each can be overridden with `--config.x.y=.
   - Memory at 16k: layers are rematerialised (`model.remat`) and attention runs over query
     chunks of 1024 (`model.attention_chunk`), whose [H, 1024, T] scores are recomputed in the
     backward pass instead of keeping [H, T, T] (32 x 16k^2 x 6 bytes = 52 GB per layer).
-    `python -m espo_jax.bench attention` compiles one layer's gradient at 16k both ways: 145
-    GiB of temporaries unchunked, 7.7 GiB in chunks of 1024 (CPU XLA's buffer assignment).
+    `python -m espo_jax.bench attention` compiles one layer's gradient both ways (the figures
+    under "Measured" above: CPU XLA's buffer assignment).
   - Constant lr after 10 warm-up steps; 500 RL steps; staleness limit 1 policy version.
 """
 

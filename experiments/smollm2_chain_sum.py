@@ -11,7 +11,7 @@ terms (sums of 2-3 terms with 1, 2 or 3 digits).
 `:gpu` is the same run sized for one GPU (bf16 engine, 64 prompts x 8 samples, 200 steps);
 `:small` the two-step run the tests make.
 
-Measured: see experiments/results/README.md ("SmolLM2-135M-Instruct on chain_sum").
+Measured: see experiments/results/README.md ("Your own task, your own checkpoint").
 """
 
 import json

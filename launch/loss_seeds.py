@@ -25,7 +25,7 @@ against RL step, mean and min-max band over seeds) and WORKDIR/loss_seeds_espo_e
 clip ranges against entropy). Only the test split's numbers are reported; validation is where
 settings are chosen.
 
-`--merge=FILE` (a json written here, e.g. experiments/results/loss_seeds.json) adds the stored
+`--merge=FILE` (a json written here, e.g. the stored loss_seeds_chosen_lr.json) adds the stored
 runs and warm starts that WORKDIR lacks, so new seeds extend a stored comparison without rerunning
 it; every run keeps the commit it ran on, and a seed whose warm start is in both places must score
 the same in both. Every run also keeps its `--override`s (a stored file's runs: the file's); the
