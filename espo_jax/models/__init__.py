@@ -21,7 +21,7 @@ Kernels are [in, out]. A kernel may also be an FP8 pytree {"qvalue", "scale"} (s
 
 from espo_jax.models import moe, quant
 from espo_jax.models.config import PRESETS, ModelConfig, get_preset
-from espo_jax.models.moe import routing_flip_rate
+from espo_jax.models.router import routing_flip_rate
 from espo_jax.models.transformer import (
     ModelOutput,
     forward,

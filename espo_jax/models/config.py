@@ -44,7 +44,7 @@ class ModelConfig:
     z_loss_coef: float = 0.0  # weight of the router z-loss in `aux_loss`
     dtype: str = "float32"  # compute dtype of matmuls (norms, router, softmax stay fp32)
     param_dtype: str = "float32"
-    dispatch: str = "dropless_loop"  # see DISPATCHES and espo_jax/models/moe.py
+    dispatch: str = "dropless_loop"  # see DISPATCHES and espo_jax/models/moe_dispatch.py
     capacity_factor: float = 1.25  # only for dispatch == "capacity"
     init_std: float = 0.02  # normal init of kernels and embeddings (HF initializer_range)
     remat: bool = False  # recompute each block's activations in the backward pass (memory)
@@ -143,7 +143,8 @@ class ModelConfig:
         """This model for passes without a gradient (the learner's old-policy and reference
         passes): a gathered dropless dispatch ("dropless") becomes the looped one, which reads
         each expert's weights once instead of copying them into [blocks, D, F]. The same
-        outputs bit for bit (tests/models/test_model.py; times in `espo_jax/models/moe.py`)."""
+        outputs bit for bit (tests/models/test_model.py; times in
+        `espo_jax/models/moe_dispatch.py`)."""
         return self.replace(dispatch="dropless_loop") if self.dispatch == "dropless" else self
 
     @classmethod

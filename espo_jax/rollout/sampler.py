@@ -12,8 +12,8 @@
 behaviour log-probs, routed experts, finish reason per response), in request order, and calls
 `on_group(group)` as each finishes so rewards are scored while the rest is generated. Two
 implementations: `JaxSampler` (the embedded engine, here) and `vllm_worker.VllmSampler`. The
-worker loop (`espo_jax.rollout.worker.RolloutWorker`), prompt scheduling, reward pool, verifier
-and detokeniser are the same for both.
+worker loop (`espo_jax.rollout.worker_loop.RolloutWorker`), prompt scheduling, reward pool,
+verifier and detokeniser are the same for both.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """vLLM as a rollout sampler: FP8 weights and routed-expert capture on GPUs.
 
 `VllmSampler` is the `espo_jax.rollout.sampler.Sampler` the rollout worker loop
-(`espo_jax.rollout.worker.RolloutWorker`, started by `espo_jax.rollout.vllm_cli`) drives, as it
-drives the embedded JAX engine: it loads each published weights version's Hugging Face export
+(`espo_jax.rollout.worker_loop.RolloutWorker`, started by `espo_jax.rollout.vllm_cli`) drives,
+as it drives the embedded JAX engine: it loads each published weights version's Hugging Face export
 (`<version>/hf`, which the learner writes with `hf_export`), samples every request of a batch
 with `vllm.LLM(quantization="fp8", enable_return_routed_experts=True)` and hands back one
 `batching.GenerationGroup` per request (tokens, behaviour log-probs, routed experts, finish

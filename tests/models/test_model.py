@@ -16,7 +16,16 @@ from espo_jax.models import (
     init_params,
     layers,
     lm_head_kernel,
-    moe,
+    router,
+)
+from espo_jax.models.moe_dispatch import (
+    capacity_dispatch,
+    dense_dispatch,
+    dropless_dispatch,
+    expert_ffn,
+    first_block_size,
+    looped_dispatch,
+    ragged_dispatch,
 )
 
 TINY = get_preset("tiny")
@@ -129,9 +138,9 @@ def test_forward_shapes_and_metrics(params, tokens, fwd):
     np.testing.assert_array_equal(np.sort(top, -1), np.sort(out.routed_experts[:, :, 1], -1))
     lb, z = out.metrics["moe/load_balance_loss"], out.metrics["moe/z_loss"]
     # the metrics are the layer means of the per-layer losses of the returned routing
-    lbs = [moe.load_balance_loss(out.router_logits[m].reshape(24, 8),
-                                 out.routed_experts[:, :, m].reshape(24, 2)) for m in range(2)]
-    zs = [moe.z_loss(out.router_logits[m].reshape(24, 8)) for m in range(2)]
+    lbs = [router.load_balance_loss(out.router_logits[m].reshape(24, 8),
+                                    out.routed_experts[:, :, m].reshape(24, 2)) for m in range(2)]
+    zs = [router.z_loss(out.router_logits[m].reshape(24, 8)) for m in range(2)]
     np.testing.assert_allclose(lb, np.mean(lbs), rtol=1e-6)
     np.testing.assert_allclose(z, np.mean(zs), rtol=1e-6)
     assert out.metrics["moe/dropped_frac"] == 0.0
@@ -152,9 +161,9 @@ def test_aux_losses_over_real_tokens_or_all_positions(params, tokens, fwd):
         out = fwd(cfg.replace(aux_loss_tokens=tokens_counted), params, tokens,
                   segment_ids_BxT=segments, token_weights_BxT=weights)
         logits = [out.router_logits[m].reshape(24, 8) for m in range(2)]
-        lb = np.mean([moe.load_balance_loss(lg, out.routed_experts[:, :, m].reshape(24, 2), w)
+        lb = np.mean([router.load_balance_loss(lg, out.routed_experts[:, :, m].reshape(24, 2), w)
                       for m, lg in enumerate(logits)])
-        z = np.mean([moe.z_loss(lg, w) for lg in logits])
+        z = np.mean([router.z_loss(lg, w) for lg in logits])
         np.testing.assert_allclose(out.metrics["moe/load_balance_loss"], lb, rtol=1e-6)
         np.testing.assert_allclose(out.metrics["moe/z_loss"], z, rtol=1e-6)
         np.testing.assert_allclose(out.aux_loss, 0.001 * lb + 0.01 * z, rtol=1e-6)
@@ -165,8 +174,8 @@ def test_aux_losses_over_real_tokens_or_all_positions(params, tokens, fwd):
     # without token weights (unpacked rows): "all" is the plain mean over the 24 positions
     out = fwd(cfg.replace(aux_loss_tokens="all"), params, tokens, segment_ids_BxT=segments)
     np.testing.assert_allclose(out.metrics["moe/load_balance_loss"], np.mean(
-        [moe.load_balance_loss(out.router_logits[m].reshape(24, 8),
-                               out.routed_experts[:, :, m].reshape(24, 2)) for m in range(2)]),
+        [router.load_balance_loss(out.router_logits[m].reshape(24, 8),
+                                  out.routed_experts[:, :, m].reshape(24, 2)) for m in range(2)]),
         rtol=1e-6)
 
 
@@ -259,7 +268,7 @@ def test_select_experts_by_hand(norm):
     # probs = softmax(log([1, 2, 3, 4])) = [.1, .2, .3, .4]; top-2 = experts 3, 2 with .4, .3;
     # renormalised: 4/7, 3/7.
     logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 4.0]]))
-    idx, w = moe.select_experts(logits, 2, norm)
+    idx, w = router.select_experts(logits, 2, norm)
     np.testing.assert_array_equal(idx, [[3, 2]])
     np.testing.assert_allclose(w, [[4 / 7, 3 / 7]] if norm else [[0.4, 0.3]], rtol=1e-6)
 
@@ -269,19 +278,19 @@ def test_aux_losses_by_hand():
     # f_e = k/E, p_e = 1/E, loss = E * E * (k/E) * (1/E) = k = 2.
     logits = jnp.zeros((8, 8))
     idx = jnp.array([[i, (i + 1) % 8] for i in range(8)])
-    np.testing.assert_allclose(moe.load_balance_loss(logits, idx), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(router.load_balance_loss(logits, idx), 2.0, rtol=1e-6)
     # All tokens to experts 0 and 1 with a uniform router: f = [1, 1, 0...], p = 1/8:
     # loss = 8 * (1/8 + 1/8) = 2 (the probability term is what the gradient pushes).
     idx01 = jnp.tile(jnp.array([[0, 1]]), (8, 1))
-    np.testing.assert_allclose(moe.load_balance_loss(logits, idx01), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(router.load_balance_loss(logits, idx01), 2.0, rtol=1e-6)
     # Skewed probs: logits ln(7) on expert 0 -> p0 = 7/14 = .5, others 1/14; f = [1, 1, 0..]:
     # loss = 8 * (.5 + 1/14) = 4.5714...
     skew = jnp.zeros((8, 8)).at[:, 0].set(math.log(7.0))
-    np.testing.assert_allclose(moe.load_balance_loss(skew, idx01), 8 * (0.5 + 1 / 14), rtol=1e-5)
+    np.testing.assert_allclose(router.load_balance_loss(skew, idx01), 8 * (0.5 + 1 / 14), rtol=1e-5)
     # z-loss: logsumexp(0 * 8) = ln 8; masked tokens do not count.
-    np.testing.assert_allclose(moe.z_loss(logits), math.log(8.0) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(router.z_loss(logits), math.log(8.0) ** 2, rtol=1e-6)
     big = logits.at[4:].set(100.0)
-    np.testing.assert_allclose(moe.z_loss(big, jnp.arange(8) < 4), math.log(8.0) ** 2, rtol=1e-6)
+    np.testing.assert_allclose(router.z_loss(big, jnp.arange(8) < 4), math.log(8.0) ** 2, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +300,7 @@ def moe_inputs():
     x = jax.random.normal(k1, (37, 16))
     w = [jax.random.normal(k, s) * 0.1 for k, s in
          zip(jax.random.split(k2, 3), [(6, 16, 8), (6, 16, 8), (6, 8, 16)], strict=True)]
-    idx, gates = moe.select_experts(jax.random.normal(k3, (37, 6)), 3, True)
+    idx, gates = router.select_experts(jax.random.normal(k3, (37, 6)), 3, True)
     return x, idx, gates, w
 
 
@@ -300,14 +309,14 @@ def test_exact_dispatches_agree(moe_inputs, jit):
     assignment all equal every-expert-on-every-token weighted by the sparse gates."""
 
     def all_dispatches(x, idx, gates, w):
-        out = {f"dropless{b}": moe.dropless_dispatch(x, idx, gates, *w, block=b)
+        out = {f"dropless{b}": dropless_dispatch(x, idx, gates, *w, block=b)
                for b in (1, 8, 64)}
-        out |= {f"dropless_loop{b}": moe.dropless_dispatch(x, idx, gates, *w, block=b, loop=True)
+        out |= {f"dropless_loop{b}": dropless_dispatch(x, idx, gates, *w, block=b, loop=True)
                 for b in (1, 8)}
-        out["ragged"] = moe.ragged_dispatch(x, idx, gates, *w)
+        out["ragged"] = ragged_dispatch(x, idx, gates, *w)
         # capacity factor E = 6: C = ceil(111/6 * 6) = 111 = every assignment fits
-        out["capacity"], out["dropped"] = moe.capacity_dispatch(x, idx, gates, *w, 6.0)
-        out["dense"] = moe.dense_dispatch(x, idx, gates, *w)
+        out["capacity"], out["dropped"] = capacity_dispatch(x, idx, gates, *w, 6.0)
+        out["dense"] = dense_dispatch(x, idx, gates, *w)
         return out
 
     x, idx, gates, w = moe_inputs
@@ -315,7 +324,7 @@ def test_exact_dispatches_agree(moe_inputs, jit):
     ref = out.pop("dense")
     # sanity of the reference: token 0 by hand, sum_j gate_j * SwiGLU_{e_j}(x_0)
     by_hand = sum(
-        gates[0, j] * moe.expert_ffn(x[None, :1], *(wi[idx[0, j]][None] for wi in w))[0, 0]
+        gates[0, j] * expert_ffn(x[None, :1], *(wi[idx[0, j]][None] for wi in w))[0, 0]
         for j in range(3))
     np.testing.assert_allclose(ref[0], by_hand, atol=1e-6)
     assert out.pop("dropped") == 0.0
@@ -328,7 +337,7 @@ def test_looped_dropless_gradients_equal_the_gathered(moe_inputs):
     x, idx, gates, w = moe_inputs
 
     def loss(loop, x, gates, w):
-        return jnp.sum(jnp.sin(moe.dropless_dispatch(x, idx, gates, *w, block=8, loop=loop)))
+        return jnp.sum(jnp.sin(dropless_dispatch(x, idx, gates, *w, block=8, loop=loop)))
 
     grads = [jax.jit(jax.grad(functools.partial(loss, loop), argnums=(0, 1, 2)))(x, gates, w)
              for loop in (False, True)]
@@ -344,7 +353,7 @@ def test_looped_dropless_gradients_with_idle_experts_and_long_groups(moe_inputs)
     idx = jnp.tile(jnp.array([[2, 0, 1]], jnp.int32), (37, 1))
 
     def loss(loop, block, x, gates, w):
-        y = moe.dropless_dispatch(x, idx, gates, *w, block=block, loop=loop)
+        y = dropless_dispatch(x, idx, gates, *w, block=block, loop=loop)
         return jnp.sum(jnp.sin(y))
 
     want = jax.jit(jax.grad(functools.partial(loss, False, 8), argnums=(0, 1, 2)))(x, gates, w)
@@ -361,9 +370,9 @@ def test_looped_dropless_forward_is_the_gathered_bit_for_bit(moe_inputs):
     passes without a gradient: the outputs must not change at all, only the weight copies."""
     x, idx, gates, w = moe_inputs
     for block in (1, 8):
-        gathered = jax.jit(lambda x, g, w, b=block: moe.dropless_dispatch(x, idx, g, *w, block=b))
-        looped = jax.jit(lambda x, g, w, b=block: moe.dropless_dispatch(x, idx, g, *w, block=b,
-                                                                        loop=True))
+        gathered = jax.jit(lambda x, g, w, b=block: dropless_dispatch(x, idx, g, *w, block=b))
+        looped = jax.jit(lambda x, g, w, b=block: dropless_dispatch(x, idx, g, *w, block=b,
+                                                                    loop=True))
         np.testing.assert_array_equal(looped(x, gates, w), gathered(x, gates, w))
     assert get_preset("tiny").forward_only().dispatch == "dropless_loop"
     capacity = get_preset("tiny", dispatch="capacity")
@@ -380,14 +389,14 @@ def test_small_batch_dispatch_is_the_looped_one(moe_inputs):
     assert 16 < counts.max() <= 32  # first_block 32: all rows in it; 16: some past it
 
     def loss(first_block, x, gates, w):
-        return jnp.sum(jnp.sin(moe.looped_dispatch(x, idx, gates, *w, first_block=first_block)))
+        return jnp.sum(jnp.sin(looped_dispatch(x, idx, gates, *w, first_block=first_block)))
 
-    plain = jax.jit(lambda x, g, w: moe.looped_dispatch(x, idx, g, *w, first_block=0))(
+    plain = jax.jit(lambda x, g, w: looped_dispatch(x, idx, g, *w, first_block=0))(
         x, gates, w)
-    want = jax.jit(jax.grad(lambda x, g, w: jnp.sum(jnp.sin(moe.dropless_dispatch(
+    want = jax.jit(jax.grad(lambda x, g, w: jnp.sum(jnp.sin(dropless_dispatch(
         x, idx, g, *w, block=8))), argnums=(0, 1, 2)))(x, gates, w)
     for block in (32, 16):
-        out = jax.jit(lambda x, g, w, b=block: moe.looped_dispatch(x, idx, g, *w, first_block=b))
+        out = jax.jit(lambda x, g, w, b=block: looped_dispatch(x, idx, g, *w, first_block=b))
         np.testing.assert_array_equal(out(x, gates, w), plain)
         got = jax.jit(jax.grad(functools.partial(loss, block), argnums=(0, 1, 2)))(x, gates, w)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -396,7 +405,7 @@ def test_small_batch_dispatch_is_the_looped_one(moe_inputs):
     # blocks that skips them, leave their weight gradients exactly zero
     idle = jnp.tile(jnp.array([[2, 0, 1]], jnp.int32), (5, 1))
     for block in (8, 4):  # 5 rows each: all in the block, then one past it
-        grads = jax.grad(lambda w, b=block: jnp.sum(jnp.sin(moe.looped_dispatch(
+        grads = jax.grad(lambda w, b=block: jnp.sum(jnp.sin(looped_dispatch(
             x[:5], idle, gates[:5], *w, first_block=b))))(w)
         assert all(float(jnp.max(jnp.abs(g[3:]))) == 0.0 for g in grads)
         assert all(float(jnp.max(jnp.abs(g[:3]))) > 0.0 for g in grads)
@@ -404,7 +413,7 @@ def test_small_batch_dispatch_is_the_looped_one(moe_inputs):
 
 def test_small_batch_block_follows_the_mean_load():
     """Twice an expert's mean load, a power of two >= 4, up to 16 rows; none above."""
-    sizes = {(a, e): moe.first_block_size(a, e) for a, e in
+    sizes = {(a, e): first_block_size(a, e) for a, e in
              [(64, 8), (40, 8), (32, 8), (16, 8), (72, 8), (128, 8), (111, 6), (256, 128)]}
     assert sizes == {(64, 8): 16, (40, 8): 16, (32, 8): 8, (16, 8): 4, (72, 8): 0,
                      (128, 8): 0, (111, 6): 0, (256, 128): 4}
@@ -415,9 +424,9 @@ def test_capacity_dispatch_drops_excess_in_token_order(moe_inputs, jit):
     tokens 0..18 keep all three experts, tokens 19..36 lose all: dropped = 54/111."""
     x, _, gates, w = moe_inputs
     idx = jnp.broadcast_to(jnp.array([0, 1, 2]), (37, 3))
-    dispatch = jit(moe.capacity_dispatch, static_argnums=6)
+    dispatch = jit(capacity_dispatch, static_argnums=6)
     out, dropped = dispatch(x, idx, gates, *w, 1.0)
-    ref = moe.dense_dispatch(x, idx, gates, *w)
+    ref = dense_dispatch(x, idx, gates, *w)
     np.testing.assert_allclose(dropped, 54 / 111, rtol=1e-6)
     np.testing.assert_allclose(out[:19], ref[:19], atol=1e-5)
     np.testing.assert_array_equal(out[19:], 0.0)

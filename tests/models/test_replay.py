@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo_jax.models import forward, get_preset, moe
+from espo_jax.models import forward, get_preset, router
 
 TINY = get_preset("tiny")
 
@@ -56,13 +56,13 @@ def test_replayed_gate_weights_by_hand():
     # probs = [.1, .2, .3, .4]; replay experts (0, 1): weights .1, .2, renormalised 1/3, 2/3
     logits = jnp.log(jnp.array([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]]))
     replay = jnp.array([[0, 1], [-1, -1]])
-    idx, w = moe.select_experts(logits, 2, True, replay)
+    idx, w = router.select_experts(logits, 2, True, replay)
     np.testing.assert_array_equal(idx, [[0, 1], [3, 2]])
     np.testing.assert_allclose(w, [[1 / 3, 2 / 3], [4 / 7, 3 / 7]], rtol=1e-6)
-    idx, w = moe.select_experts(logits, 2, False, replay)
+    idx, w = router.select_experts(logits, 2, False, replay)
     np.testing.assert_allclose(w, [[0.1, 0.2], [0.4, 0.3]], rtol=1e-6)
     # an id outside [0, E) anywhere in a row also means "route normally" for that row
-    idx, _ = moe.select_experts(logits, 2, True, jnp.array([[0, 4], [1, -1]]))
+    idx, _ = router.select_experts(logits, 2, True, jnp.array([[0, 4], [1, -1]]))
     np.testing.assert_array_equal(idx, [[3, 2], [3, 2]])
 
 

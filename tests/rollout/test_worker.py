@@ -20,6 +20,7 @@ from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rollout import mismatch
 from espo_jax.rollout import worker as worker_lib
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.rollout.worker_loop import RolloutWorker, WorkerConfig
 from espo_jax.zve import PromptScheduler
 
 CONFIG = models.get_preset("tiny")
@@ -69,7 +70,7 @@ def test_worker_writes_groups_and_reloads_weights(tmp_path, params):
                 weights.publish(publish, 2, CONFIG, params[1])
             yield p
 
-    config = worker_lib.WorkerConfig(
+    config = WorkerConfig(
         str(publish),
         str(buffer),
         n_samples=2,
@@ -79,7 +80,7 @@ def test_worker_writes_groups_and_reloads_weights(tmp_path, params):
         max_slots=4,
         max_cache_len=64,
     )
-    worker = worker_lib.RolloutWorker(config, prompts(), text_length, detokenize=decode)
+    worker = RolloutWorker(config, prompts(), text_length, detokenize=decode)
     stats = worker.run()
     assert (stats["worker/batches"], stats["worker/groups_written"]) == (2, 8)
     assert (stats["worker/weight_loads"], stats["worker/policy_version"]) == (2, 2)
@@ -107,10 +108,10 @@ def test_worker_writes_groups_and_reloads_weights(tmp_path, params):
 
 
 def test_worker_without_weights_times_out(tmp_path):
-    config = worker_lib.WorkerConfig(
+    config = WorkerConfig(
         str(tmp_path / "none"), str(tmp_path / "b"), weights_timeout_s=0.2, poll_s=0.05
     )
-    worker = worker_lib.RolloutWorker(config, prompt_list(1), text_length)
+    worker = RolloutWorker(config, prompt_list(1), text_length)
     with pytest.raises(TimeoutError, match="no weights published in .*none"):
         worker.run()
 

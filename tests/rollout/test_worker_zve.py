@@ -18,7 +18,7 @@ import pytest
 from espo_jax import models
 from espo_jax.buffer import BufferReader, weights
 from espo_jax.rollout.batching import Generation, GenerationGroup
-from espo_jax.rollout.worker import RolloutWorker, WorkerConfig
+from espo_jax.rollout.worker_loop import RolloutWorker, WorkerConfig
 from espo_jax.zve import PromptScheduler, ZVEPipeline, default_zve_config
 
 N_PROMPTS, PER_BATCH, BATCHES, SEED = 12, 4, 12, 7
