@@ -76,11 +76,6 @@ class ScoredGroup:
         return binary_outcomes(self.group.outcomes, str(self.group.prompt_id))
 
     @property
-    def known_outcomes(self) -> np.ndarray:
-        """int64 `[k]` outcomes of the responses whose reward call succeeded (`known_outcomes`)."""
-        return known_outcomes(self.group)
-
-    @property
     def lengths(self) -> np.ndarray:
         """int64 `[G]` response lengths (tokens)."""
         return self.group.response_lengths.astype(np.int64)

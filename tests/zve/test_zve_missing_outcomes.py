@@ -40,7 +40,7 @@ def test_known_outcomes_leave_out_failed_reward_calls():
     g = group([1, 1, 0, F, F])
     assert reward_failed(g).tolist() == [False, False, False, True, True]
     assert known_outcomes(g).tolist() == [1, 1, 0]
-    assert ScoredGroup(g, [1, 1, 0, 0, 0]).known_outcomes.tolist() == [1, 1, 0]
+    assert known_outcomes(ScoredGroup(g, [1, 1, 0, 0, 0])).tolist() == [1, 1, 0]
     assert known_outcomes(group([F, F])).tolist() == []
     assert known_outcomes(make_group([1, 0])).tolist() == [1, 0]  # none failed
     assert failed_reward_fraction([g, make_group([1, 0, 1])]) == pytest.approx(2 / 8)
