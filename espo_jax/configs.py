@@ -23,7 +23,7 @@ from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
 REPLAY_MODES = ("r3", "r2", "off")
 LOOPS = ("sync", "async")
 ENGINES = ("jax", "vllm")
-PRECISIONS = ("fp32", "bf16", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8_block")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 MODES = ("train", "rollout")
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -89,7 +89,8 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # "jax" (embedded) or "vllm" (GPU workers)
-    c.rollout.precision = "fp8"  # engine weights: fp32, bf16 or fp8 (E4M3, per-channel scales)
+    c.rollout.precision = "fp8"  # engine weights: fp32, bf16, fp8 (E4M3, per-channel scales)
+    # or fp8_block (E4M3, 128x128 block scales as DeepSeek-V3's checkpoints)
     c.rollout.prompts_per_step = 16  # N prompts per rollout batch
     c.rollout.max_inflight_batches = 1  # async: a worker waits while max_staleness + this - 1
     # of its batches are unread (1: it samples batch n+1 while the learner trains on batch n)

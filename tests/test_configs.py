@@ -23,7 +23,7 @@ def test_default_and_small_configs_validate():
         ("train.replay", "bogus", "config.train.replay='bogus' is not one of ('r3', 'r2', 'off')"),
         ("train.loop", "fast", "config.train.loop='fast' is not one of ('sync', 'async')"),
         ("rollout.precision", "int4",
-         "config.rollout.precision='int4' is not one of ('fp32', 'bf16', 'fp8')"),
+         "config.rollout.precision='int4' is not one of ('fp32', 'bf16', 'fp8', 'fp8_block')"),
         ("advantage.name", "ppo",
          "config.advantage.name='ppo' is not one of ('grpo', 'dr_grpo', 'rloo')"),
         ("model.preset", "huge", "config.model.preset='huge' is not one of ('tiny', 'small'"),
