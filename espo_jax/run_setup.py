@@ -15,7 +15,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from espo_jax import distributed, sharding, tasks
+from espo_jax import distributed, sharding, task_prompts, tasks
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig, get_preset
 from espo_jax.models.tokenizer import load_tokenizer
@@ -59,7 +59,7 @@ def prompt_sets(config: ml_collections.ConfigDict, workdir: str, tokenizer
     `eval.split`) to `eval.num_prompts`, spread over levels, and with `eval.final_test` (and
     split "validation") as many test prompts (else none). Every worker and the learner see the
     same lists."""
-    task, splits = tasks.prompt_sources(config, workdir, tokenizer)
+    task, splits = task_prompts.prompt_sources(config, workdir, tokenizer)
     train = splits["train"]
     if not len(train):
         raise ValueError(f"task {task.name!r} has no train prompts")
