@@ -127,6 +127,34 @@ def _validate_paths(errors: list[str], config: ml_collections.ConfigDict,
                       "whose worked solutions it trains on)")
 
 
+def _validate_extras(errors: list[str], config: ml_collections.ConfigDict) -> None:
+    """A GGUF checkpoint or Parquet prompt files need packages `pip install -e .` leaves out:
+    each absent one is named with the extra that installs it (`espo_jax.extras`)."""
+    from espo_jax import extras
+    from espo_jax.task_loading import task_args
+
+    uses = []
+    path = config.model.hf_path
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from espo_jax.models import gguf
+
+        if not gguf.is_converted(path):  # a converted copy is read without them
+            uses.append(("gguf", f"config.model.hf_path={path!r}"))
+    if config.task == "files":
+        try:
+            args = task_args(config)
+        except ValueError:  # reported by _validate_task
+            args = {}
+        parquet = [k for k in ("train", "validation", "test")
+                   if str(args.get(k, "")).endswith(".parquet")]
+        if parquet:
+            uses.append(("parquet", f"config.task_args {', '.join(parquet)}"))
+    for extra, where in uses:
+        absent = extras.missing(extra)
+        if absent:
+            errors.append(f"{where}: {extras.hint(extra, absent)}")
+
+
 def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None:
     """`config.task` has one of the forms of espo_jax/task_loading.py and `config.task_args` is a
     JSON object (no task is imported or generated here)."""
@@ -164,7 +192,7 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
              check_paths: bool = True) -> None:
     """Raises ValueError listing every problem, each naming its key and the allowed values.
     `check_paths=False` validates on paper (a cluster's config on a laptop): the paths it reads
-    are not looked for."""
+    are not looked for, nor the optional packages they need (`espo_jax.extras`)."""
     from espo_jax.rl.loss_config import validate_loss_config
     from espo_jax.zve.config import validate_zve_config
 
@@ -180,6 +208,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     _choice(errors, config, "rollout.vllm.dtype", VLLM_DTYPES)
     _validate_task(errors, config)
     _validate_paths(errors, config, check_paths)
+    if check_paths:
+        _validate_extras(errors, config)
     _choice(errors, config, "rollout.engine", ENGINES)
     _choice(errors, config, "rollout.precision", PRECISIONS)
     _choice(errors, config, "advantage.name", ADVANTAGES)

@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from espo_jax import extras
 from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import normalize_reward
 from espo_jax.rewards.verifiers import arith_step_credit, verify_arith, verify_math
@@ -251,20 +252,58 @@ def reasoning_gym_task(name: str, *, size: int = 2000, validation_size: int = 20
                 **splits)
 
 
-def _read_prompt_file(path: str) -> list[dict]:
+def _read_prompt_file(path: str) -> list[tuple[str, dict]]:
+    """(where, row) of every row: `path:line` of a JSONL line (blank lines skipped), `path: row
+    n` of a Parquet row. A JSONL line that is not a JSON object is an error naming it."""
     if path.endswith(".parquet"):
+        extras.require("parquet")
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return [(f"{path}: row {n}", row)
+                for n, row in enumerate(pq.read_table(path).to_pylist(), 1)]
     rows = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not a JSON object: {e}") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: expected a JSON object, got invalid JSON "
+                                 f"({e.msg}, column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got a JSON "
+                                 f"{type(row).__name__}: {line.strip()[:60]!r}")
+            rows.append((f"{path}:{n}", row))
     return rows
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in prompt)
+
+
+def _row_prompt(where: str, row: dict, prompt_key: str, template: str) -> str | list:
+    """The prompt of one prompt-file row (see `prompt_files`); a template field the row lacks,
+    a missing prompt field or a prompt of another type is an error naming `where`."""
+    if template:
+        try:
+            return template.format(**row)
+        except KeyError as e:
+            raise ValueError(f"{where}: expected a field {e.args[0]!r} (task_args template "
+                             f"{template!r}); the row has {sorted(row)}") from None
+        except (IndexError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where}: task_args template {template!r} cannot be filled from "
+                             f"the row's fields {sorted(row)}: {e}") from None
+    if prompt_key not in row:
+        raise ValueError(f"{where}: expected a {prompt_key!r} field (the row has "
+                         f"{sorted(row)}); set task_args prompt_key or template")
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str) and not _is_chat(prompt):
+        raise ValueError(f"{where}: expected field {prompt_key!r} to be text or chat messages "
+                         f'[{{"role": ..., "content": ...}}], got {prompt!r:.60}')
+    return prompt
 
 
 def import_spec(spec: str, what: str) -> Callable:
@@ -297,7 +336,9 @@ def prompt_files(*, train: str, test: str, validation: str = "", reward: str = "
     becomes a prompt dict: its `prompt_key` field is the prompt (text or chat messages; with
     `template`, `template.format(**row)` is), the other fields stay for the reward. `reward` is
     "math" (math-verify against `answer`), "exact" (last line equals `answer`), "arith", or a
-    "package.module:function" of your own."""
+    "package.module:function" of your own. Every row is checked as it is read: a line that is
+    not a JSON object, a template field or prompt the row lacks is an error naming
+    `path:line`."""
     fn = NAMED_REWARDS.get(reward) or import_spec(reward, "reward")
     files = (("train", train), ("validation", validation), ("test", test))
     for split, path in files:
@@ -309,15 +350,8 @@ def prompt_files(*, train: str, test: str, validation: str = "", reward: str = "
             splits[split] = []
             continue
         out = []
-        for i, row in enumerate(_read_prompt_file(path)):
-            if template:
-                prompt = template.format(**row)
-            elif prompt_key in row:
-                prompt = row[prompt_key]
-            else:
-                raise ValueError(f"{path}: row {i} has no {prompt_key!r} field (fields "
-                                 f"{sorted(row)}); set task_args prompt_key or template")
-            out.append({**row, "prompt": prompt,
+        for i, (where, row) in enumerate(_read_prompt_file(path)):
+            out.append({**row, "prompt": _row_prompt(where, row, prompt_key, template),
                         "prompt_id": str(row.get("prompt_id", f"{split}/{i}"))})
         splits[split] = out
     return Task(reward=fn, name=f"files:{os.path.basename(train)}", **splits)

@@ -2,6 +2,11 @@
 at once, before anything is compiled (divisibility with the numbers, the mesh against the
 devices)."""
 
+import json
+import pathlib
+import re
+import sys
+
 import pytest
 
 from espo_jax import config_validation, configs
@@ -297,3 +302,56 @@ def test_the_issue_bad_values_and_the_free_leaves_checks():
     c.tokenizer = "model"
     with pytest.raises(ValueError, match="config.tokenizer='model'.*needs config.model.hf_path"):
         config_validation.validate(c, n_devices=1)
+
+
+# ---- optional packages: named with their extra before any work ---------------------------------
+def test_a_gguf_checkpoint_without_its_packages_names_them_and_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")  # never read: validation looks at the name and the cache only
+    c = configs.default_config()
+    c.model.hf_path = str(path)
+    config_validation.validate(c, n_devices=1)  # all of them installed here
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    with pytest.raises(ValueError) as raised:
+        config_validation.validate(c, n_devices=1)
+    assert (f"config.model.hf_path={str(path)!r}: GGUF checkpoints (read through transformers) "
+            "need the packages gguf, accelerate (not installed): pip install -e '.[gguf]'"
+            in str(raised.value))
+    config_validation.validate(c, n_devices=1, check_paths=False)  # on paper: not looked for
+
+
+def test_parquet_prompt_files_without_pyarrow_name_it_and_the_extra(tmp_path, monkeypatch):
+    for name in ("train.jsonl", "test.parquet"):
+        (tmp_path / name).write_text("")
+    c = _small()
+    c.task = "files"
+    c.task_args = json.dumps({"train": str(tmp_path / "train.jsonl"),
+                              "test": str(tmp_path / "test.parquet")})
+    config_validation.validate(c, n_devices=1)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ValueError, match=re.escape(
+            "config.task_args test: Parquet prompt files need the package pyarrow (not "
+            "installed): pip install -e '.[parquet]'")):
+        config_validation.validate(c, n_devices=1)
+    c.task_args = json.dumps({"train": str(tmp_path / "train.jsonl"),
+                              "test": str(tmp_path / "train.jsonl")})
+    config_validation.validate(c, n_devices=1)  # JSONL only: pyarrow is not needed
+
+
+def test_setup_extras_install_what_the_optional_paths_import(monkeypatch):
+    import runpy
+
+    import setuptools
+
+    from espo_jax import extras
+
+    setup = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: setup.update(kw))
+    runpy.run_path(str(pathlib.Path(__file__).parents[1] / "setup.py"))
+    required = setup["extras_require"]
+    for extra, (_, modules) in extras.EXTRAS.items():
+        pinned = {r.split("==")[0] for r in required[extra]}
+        assert pinned == set(modules), extra  # distribution and module names agree here
+        assert all("==" in r for r in required[extra]), required[extra]
+        assert set(required[extra]) <= set(required["test"]), extra  # the tests cover them

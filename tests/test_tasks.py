@@ -4,6 +4,7 @@ ones, reasoning-gym by name, prompt files, your own module, and the errors of ea
 import json
 import os
 import pickle
+import re
 import sys
 
 import pytest
@@ -129,15 +130,69 @@ def test_prompt_files_jsonl_and_parquet(tmp_path):
     assert task.reward(splits["test"][2], "5") is False
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "1"}\nnot json\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object, got invalid JSON"):
         tasks.prompt_files(train=str(bad), test=str(bad))
-    with pytest.raises(ValueError, match="row 0 has no 'prompt' field"):
+    with pytest.raises(ValueError, match=r"train.jsonl:1: expected a 'prompt' field \(the row "
+                                         r"has \['answer', 'level', 'question'\]\)"):
         tasks.prompt_files(train=str(tmp_path / "train.jsonl"), test=str(bad))
     with pytest.raises(FileNotFoundError, match="no test file"):
         tasks.prompt_files(train=str(bad), test=str(tmp_path / "nowhere.jsonl"))
     c.task_args = json.dumps({"train": str(bad)})
     with pytest.raises(ValueError, match="needs config.task_args with 'train' and 'test'"):
         config_validation.validate(c, n_devices=1)
+
+
+def test_prompt_file_rows_are_checked_line_by_line(tmp_path):
+    """Each fault names the file and line (blank lines counted) and what was expected, instead
+    of a bare TypeError / KeyError from the rows' use."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"q": "1+1", "prompt": "1+1=", "answer": "2"}\n')
+
+    def error(text: str, **kw) -> str:
+        path = tmp_path / "rows.jsonl"
+        path.write_text(text)
+        with pytest.raises(ValueError) as raised:
+            tasks.prompt_files(train=str(good), test=str(path), reward="exact", **kw)
+        return str(raised.value)
+
+    row = '{"q": "2+2", "answer": "4"}\n'
+    assert error(row + "\n[1, 2]\n", template="{q}=") == (
+        f"{tmp_path}/rows.jsonl:3: expected a JSON object, got a JSON list: '[1, 2]'")
+    assert error(row + '"just text"\n', template="{q}=") == (
+        f"{tmp_path}/rows.jsonl:2: expected a JSON object, got a JSON str: '\"just text\"'")
+    assert error(row + '{"answer": "5"}\n', template="{q}=") == (
+        f"{tmp_path}/rows.jsonl:2: expected a field 'q' (task_args template '{{q}}='); the row "
+        "has ['answer']")
+    assert error(row, template="{}=").startswith(  # the train file is read first
+        f"{tmp_path}/good.jsonl:1: task_args template '{{}}=' cannot be filled from the row's "
+        "fields ['answer', 'prompt', 'q']")
+    assert error('{"prompt": 7, "answer": "7"}\n') == (
+        f"{tmp_path}/rows.jsonl:1: expected field 'prompt' to be text or chat messages "
+        '[{"role": ..., "content": ...}], got 7')
+    assert error('{"prompt": [{"role": "user"}], "answer": "7"}\n').startswith(
+        f"{tmp_path}/rows.jsonl:1: expected field 'prompt' to be text or chat messages")
+    pq.write_table(pa.Table.from_pylist([{"q": "1"}, {"q": None}]), str(tmp_path / "t.parquet"))
+    with pytest.raises(ValueError,
+                       match=r"t.parquet: row 2: expected field 'q' to be text .*, got None"):
+        tasks.prompt_files(train=str(good), test=str(tmp_path / "t.parquet"), prompt_key="q")
+    chat = '{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}\n'
+    (tmp_path / "chat.jsonl").write_text(chat)
+    task = tasks.prompt_files(train=str(good), test=str(tmp_path / "chat.jsonl"), template="")
+    assert task.test[0]["prompt"] == [{"role": "user", "content": "hi"}]
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "answer": "1"}\n')
+    (tmp_path / "test.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ModuleNotFoundError, match=re.escape(
+            "Parquet prompt files need the package pyarrow (not installed): pip install -e "
+            "'.[parquet]'")):
+        tasks.prompt_files(train=str(tmp_path / "train.jsonl"),
+                           test=str(tmp_path / "test.parquet"))
 
 
 # ---- your own module ---------------------------------------------------------------------------

@@ -90,7 +90,11 @@ def read_jsonl(path: str, split: str) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+                raise ValueError(f"{where}: expected a JSON object, got invalid JSON ({e.msg}, "
+                                 f"column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got a JSON "
+                                 f"{type(record).__name__}: {line.strip()[:60]!r}")
             question = next((record[k] for k in _QUESTION_KEYS if k in record), None)
             if not isinstance(question, str) or not question.strip():
                 raise ValueError(f"{where}: no question (looked for keys {_QUESTION_KEYS})")
