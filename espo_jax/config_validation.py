@@ -13,6 +13,7 @@ import os
 import ml_collections
 
 from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
+from espo_jax.rewards.pool import BACKENDS as REWARD_BACKENDS
 
 REPLAY_MODES = ("r3", "r2", "off")
 LOOPS = ("sync", "async")
@@ -212,6 +213,7 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
         _validate_extras(errors, config)
     _choice(errors, config, "rollout.engine", ENGINES)
     _choice(errors, config, "rollout.precision", PRECISIONS)
+    _choice(errors, config, "rollout.reward_backend", REWARD_BACKENDS)
     _choice(errors, config, "advantage.name", ADVANTAGES)
     _choice(errors, config, "train.loop", LOOPS)
     _choice(errors, config, "train.replay", REPLAY_MODES)

@@ -100,6 +100,10 @@ def default_config() -> ml_collections.ConfigDict:
     # a CPU of 2 or more cores, the most measured).
     c.rollout.engine_shards = 0
     c.rollout.reward_workers = 2  # reward pool workers (overlapped with decoding)
+    # "process": workers are processes (parallel; one stuck in a timed-out call is killed), so
+    # the task's reward must pickle (module level); "thread": threads of this process, for a
+    # reward that cannot (a lambda, a closure); a timed-out call is abandoned, not killed.
+    c.rollout.reward_backend = "process"
     c.rollout.reward_timeout_s = 5.0  # a reward call running longer counts as failed
     c.rollout.max_failed_reward_frac = 0.5  # a step with a larger share of responses whose reward
     # call failed or timed out stops the run (after a checkpoint)

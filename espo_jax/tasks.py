@@ -12,8 +12,10 @@ start and the anchor; default "") are optional. The reward maps `(prompt, comple
 bool (the outcome; reward 1 or 0), a number (the reward; outcome = reward > 0) or a dict with
 "reward" and "outcome" and optional numeric components. The outcome is what MS-ZVE filters on;
 the reward may be shaped. It runs in the reward pool's processes, so it must be importable by
-name (defined at module level); a reward that raises or times out is counted, logged with the
-task, the prompt id and its traceback, and stops the run past `rollout.max_failed_reward_frac`.
+name (defined at module level), or the pool's threads (`rollout.reward_backend="thread"`). It is
+tried once on a train and a held-out prompt before any work (`task_prompts.check_reward`); later,
+a reward that raises or times out is counted, logged with the task, the prompt id and its
+traceback, and stops the run past `rollout.max_failed_reward_frac`.
 
 Neutral ground: the learner's loops and the rollout workers both build their task here, so a
 worker scores its responses exactly as the single-process loop does.

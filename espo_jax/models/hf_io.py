@@ -244,6 +244,11 @@ class _TensorReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from its file's header (no data read)."""
+        with safe_open(os.path.join(self.path, self.weight_map[name]), framework="numpy") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def get(self, name: str) -> np.ndarray:
         if name not in self.weight_map:
             raise KeyError(name)
@@ -298,6 +303,11 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
         config = config_from_hf(json.load(f), dtype=dtype)
     np_dtype = _NP_DTYPES[config.param_dtype]
     reader = _TensorReader(path)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # before any tensor is read
+        rows = reader.shape(name)[0] if name in reader else config.vocab_size
+        if rows != config.vocab_size:
+            raise ValueError(f"checkpoint {path}: {name} has {rows} vocabulary rows but "
+                             f"config.json's vocab_size is {config.vocab_size}")
     get = _fused_getter(reader, config)
     params: dict = {}
     expected = _expected_shapes(config)
