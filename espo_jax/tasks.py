@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import json
 import os
 import re
 import sys
@@ -34,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from espo_jax import extras
+from espo_jax.data.jsonl import json_objects
 from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import normalize_reward
 from espo_jax.rewards.verifiers import arith_step_credit, verify_arith, verify_math
@@ -263,21 +263,7 @@ def _read_prompt_file(path: str) -> list[tuple[str, dict]]:
 
         return [(f"{path}: row {n}", row)
                 for n, row in enumerate(pq.read_table(path).to_pylist(), 1)]
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: expected a JSON object, got invalid JSON "
-                                 f"({e.msg}, column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got a JSON "
-                                 f"{type(row).__name__}: {line.strip()[:60]!r}")
-            rows.append((f"{path}:{n}", row))
-    return rows
+    return [(f"{path}:{n}", row) for n, row in json_objects(path)]
 
 
 def _is_chat(prompt: Any) -> bool:
