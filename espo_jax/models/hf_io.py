@@ -250,6 +250,11 @@ class _TensorReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from its file's header (no data read)."""
+        with safe_open(os.path.join(self.path, self.weight_map[name]), framework="numpy") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def get(self, name: str) -> np.ndarray:
         value, scale = self._read(name), hf_fp8.scale_name(name)
         if value.dtype == hf_fp8.E4M3 or scale in self.weight_map:
@@ -317,6 +322,11 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
     config = config_from_hf(hf, dtype=dtype)
     np_dtype = _NP_DTYPES[config.param_dtype]
     reader = _TensorReader(path, hf_fp8.block_size(hf))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # before any tensor is read
+        rows = reader.shape(name)[0] if name in reader else config.vocab_size
+        if rows != config.vocab_size:
+            raise ValueError(f"checkpoint {path}: {name} has {rows} vocabulary rows but "
+                             f"config.json's vocab_size is {config.vocab_size}")
     get = _fused_getter(reader, config)
     params: dict = {}
     expected = _expected_shapes(config)
