@@ -49,12 +49,16 @@ def mismatch_metrics(
     own_BxTxMxk: jax.Array | None = None,
     recorded_BxTxMxk: jax.Array | None = None,
     position_weights_BxT: jax.Array | None = None,
+    unpack_BxT: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The module's metrics (see its docstring) of the response tokens where `mask` > 0.
 
     `own` / `recorded`: the learner's own routing and the rollout's recorded one (-1: a position
     without a recording); both or neither. `position_weights`: how often each position counts in
-    the flip rate (a shared prompt's position once per response); 1 where None."""
+    the flip rate (a shared prompt's position once per response); 1 where None. `unpack`: packed
+    rows (`train.batch`, `RLBatch.unpack`): the routing and its weights are on the model's
+    [R, W] rows, the log-probs and `mask` on one row per sequence, and `unpack[b, t]` is the
+    flat index of [b, t] in [R, W] (R*W: none); the at-flips split reads the flips through it."""
     mask = (mask_BxT > 0).astype(jnp.float32)
     d = (learner_logp_BxT - rollout_logp_BxT) * mask  # log r
     abs_d = jnp.abs(d)
@@ -77,7 +81,10 @@ def mismatch_metrics(
     for m in range(per_layer.shape[0]):
         out[f"moe/routing_flip_rate/layer_{m}"] = per_layer[m]
     same = jnp.all(jnp.sort(own_BxTxMxk, -1) == jnp.sort(recorded_BxTxMxk, -1), axis=-1)
-    flipped = (jnp.any(~same, axis=-1) & (recorded > 0)).astype(jnp.float32)  # [B, T]
+    flipped = (jnp.any(~same, axis=-1) & (recorded > 0)).astype(jnp.float32)  # [B, T] or [R, W]
+    if unpack_BxT is not None:
+        flipped = jnp.concatenate([flipped.reshape(-1), jnp.zeros((1,), flipped.dtype)])
+        flipped = flipped[unpack_BxT]
     at_flips = mask * flipped
     out["mismatch/logp_abs_mean_at_flips"] = _mean(abs_d, at_flips)
     out["mismatch/logp_abs_mean_elsewhere"] = _mean(abs_d, mask - at_flips)

@@ -106,7 +106,7 @@ def old_policy_metrics(logp, ent, out, batch: RLBatch):
     routing = {}
     if own is not None and batch.routed_experts is not None:
         routing = dict(own_BxTxMxk=own, recorded_BxTxMxk=batch.routed_experts,
-                       position_weights_BxT=batch.token_weights)
+                       position_weights_BxT=batch.token_weights, unpack_BxT=batch.unpack)
     metrics = mismatch.mismatch_metrics(logp, batch.behaviour_logp, batch.loss_mask, **routing)
     metrics["entropy/mean"] = _masked_mean(ent, batch.loss_mask)
     return metrics, own
