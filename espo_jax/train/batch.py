@@ -180,13 +180,18 @@ def pack_sequences(
     pack: bool = False,
     pack_len: int = 0,
     share_prompts: bool = False,
+    trained: Sequence[bool] | None = None,
 ) -> RLBatch:
     """Puts `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy);
     with `pack`, its model side in as few rows of `pack_len` tokens (0: 2 * seq_len) as the
     tokens fill (module docstring); with `share_prompts` too, the responses of one prompt
-    share one copy of it."""
+    share one copy of it. `trained` (one bool per sequence; None: all True): a sequence marked
+    False is placed like the others but its `loss_mask` row stays 0 (a response whose reward
+    call failed: no loss term, no token in the loss's denominators)."""
     if rows % n_shards:
         raise ValueError(f"batch rows {rows} not divisible by data shards {n_shards}")
+    if trained is not None and len(trained) != len(prompts):
+        raise ValueError(f"trained has {len(trained)} entries for {len(prompts)} sequences")
     for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logps, strict=True)):
         if len(p) < 1:
             raise ValueError(f"sequence {i} has an empty prompt: the first input must be a prompt "
@@ -296,7 +301,8 @@ def pack_sequences(
             if ri is not None:
                 routed[prow, pcol : pcol + min(skip, len(ri))] = ri[:skip]
         # Target t is response token (t + 1 - len(p)); it is a response token when t >= len(p) - 1.
-        loss_mask[row, len(p) - 1 : n_in] = 1.0
+        if trained is None or trained[i]:
+            loss_mask[row, len(p) - 1 : n_in] = 1.0
         blogp[row, len(p) - 1 : n_in] = np.asarray(behaviour_logps[i], np.float32)[: len(r)]
         adv[row] = advantages[i]
         zvs[row] = zv_sign[i]

@@ -3,11 +3,12 @@
 `Learner.update(state, groups, rewards)` turns a rollout batch (the groups and, parallel to
 them, each group's float32 rewards: MS-ZVE's, `espo_jax.zve`; the records are not read for
 rewards) into fixed-shape minibatches (advantages on the host, per group, so groups may have
-different sizes), runs the old-policy pass on all of them (router replay, mismatch metrics),
-then one optimiser update per minibatch. A rollout batch that fits one minibatch skips the
-separate old-policy pass: its only update runs at the old parameters, so the update's own
-forward gives the old log-probs (`step.rl_loss(fused=True)`; one forward of the batch less per
-step). The update steps are jitted with explicit shardings
+different sizes; a response whose reward call failed or timed out is left out of its group's
+advantages and of the loss, `group_advantages`), runs the old-policy pass on all of them
+(router replay, mismatch metrics), then one optimiser update per minibatch. A rollout batch
+that fits one minibatch skips the separate old-policy pass: its only update runs at the old
+parameters, so the update's own forward gives the old log-probs (`step.rl_loss(fused=True)`;
+one forward of the batch less per step). The update steps are jitted with explicit shardings
 and donation of the train state, and compiled ahead of time on their first inputs
 (`jit(...).lower(...).compile()`), logging XLA's memory report (`Learner.memory_report`).
 
@@ -34,41 +35,13 @@ import numpy as np
 
 from espo_jax import console, distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
-from espo_jax.rl.advantages import ADVANTAGES, overlong_penalty, zvp_signs
+from espo_jax.rl.advantages import overlong_penalty
 from espo_jax.train import step as step_lib
+from espo_jax.train.advantages import group_advantages, trained_responses
 from espo_jax.train.batch import RLBatch, balanced_parts, pack_sequences, prompt_keys, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
 from espo_jax.zve.groups import require_scored
-
-
-def group_advantages(
-    groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray], name: str, use_zvp: bool,
-    zvp_wrong: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per response (groups concatenated): advantages of `rewards` (one float32 array per
-    group, in the groups' order) and the RL-ZVP sign (`rl.advantages.zvp_signs`: +1 all-correct,
-    -1 all-wrong zero-variance group, 0 otherwise; 0 everywhere without `use_zvp`). Outcomes
-    are the responses' binary `outcome`; the responses' `reward` fields are not read."""
-    if len(rewards) != len(groups):
-        raise ValueError(f"group_advantages: {len(rewards)} reward arrays for {len(groups)} "
-                         f"groups")
-    advs, signs = [], []
-    for g, group_rewards in zip(groups, rewards, strict=True):
-        rewards_g = np.asarray(group_rewards, np.float32)
-        if rewards_g.shape != (g.num_responses,):
-            raise ValueError(f"group_advantages: group {g.prompt_id!r} has {g.num_responses} "
-                             f"responses but rewards of shape {rewards_g.shape}")
-        outcomes = np.array([bool(r.outcome) for r in g.responses])
-        adv = (np.asarray(ADVANTAGES[name](rewards_g[None]))[0] if len(rewards_g) > 1
-               else np.zeros(1))
-        advs.append(adv)
-        # Without `zvp_wrong` an all-wrong group keeps its (zero) group advantage.
-        sign = float(zvp_signs(rewards_g[None], outcomes[None], zvp_wrong)[0]) if use_zvp else 0.0
-        signs.append(np.full(len(rewards_g), sign, np.float32))
-    if not advs:
-        return np.zeros(0, np.float32), np.zeros(0, np.float32)
-    return np.concatenate(advs).astype(np.float32), np.concatenate(signs)
 
 
 def memory_report(compiled) -> dict[str, int]:
@@ -255,29 +228,19 @@ class Learner:
         return self.pack([], [], [], [], np.zeros(0), np.zeros(0))
 
     def pack(self, prompts, responses, blogps, routings, adv, signs,
-             rows: int | None = None) -> RLBatch:
+             rows: int | None = None, trained: np.ndarray | None = None) -> RLBatch:
         return pack_sequences(
-            prompts,
-            responses,
-            blogps,
-            routings,
-            adv,
-            signs,
-            rows=rows or self.rows_per_update,
-            seq_len=self.seq_len,
-            pad_id=0,
-            n_shards=self.n_data_shards,
-            moe_shape=self.moe_shape,
-            pack=self.config.train.pack,
-            pack_len=self.config.train.pack_len,
-            share_prompts=self.share_prompts,
+            prompts, responses, blogps, routings, adv, signs, rows=rows or self.rows_per_update,
+            trained=trained, seq_len=self.seq_len, pad_id=0, n_shards=self.n_data_shards,
+            moe_shape=self.moe_shape, pack=self.config.train.pack,
+            pack_len=self.config.train.pack_len, share_prompts=self.share_prompts,
         )
 
     def _chunks(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray]):
         """Each minibatch's responses as (pairs of prompt and response, advantages, RL-ZVP
-        signs), `rows_per_update` responses at a time (advantages from `rewards`, one float32
-        array per group; with `advantage.overlong_buffer` > 0 DAPO's overlong penalty is added
-        to them first)."""
+        signs, `trained_responses`), `rows_per_update` responses at a time (advantages from
+        `rewards`, one float32 array per group; with `advantage.overlong_buffer` > 0 DAPO's
+        overlong penalty is added to them first)."""
         buffer = self.config.advantage.overlong_buffer
         if buffer > 0:
             max_len = self.config.rollout.max_new_tokens
@@ -288,23 +251,24 @@ class Learner:
             groups, rewards, self.config.advantage.name, self.config.zve.zvp.enabled,
             self.config.zve.zvp.wrong_groups,
         )
+        trained = trained_responses(groups)
         flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
         for start in range(0, max(len(flat), 1), self.rows_per_update):
             chunk = flat[start : start + self.rows_per_update]
             sl = slice(start, start + len(chunk))
-            yield chunk, adv[sl], signs[sl]
+            yield chunk, adv[sl], signs[sl], trained[sl]
 
-    def _pack_chunk(self, chunk, adv, signs, rows: int) -> RLBatch:
+    def _pack_chunk(self, chunk, adv, signs, trained, rows: int) -> RLBatch:
         return self.pack([p for p, _ in chunk], [r.tokens for _, r in chunk],
                          [r.logprobs for _, r in chunk], [r.routed_experts for _, r in chunk],
-                         adv, signs, rows=rows)
+                         adv, signs, rows=rows, trained=trained)
 
     def minibatches(self, groups: Sequence[RolloutGroup],
                     rewards: Sequence[np.ndarray]) -> list[RLBatch]:
         """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`
         (`_chunks`: advantages from `rewards`)."""
-        return [self._pack_chunk(chunk, adv, signs, self.rows_per_update)
-                for chunk, adv, signs in self._chunks(groups, rewards)]
+        return [self._pack_chunk(chunk, adv, signs, trained, self.rows_per_update)
+                for chunk, adv, signs, trained in self._chunks(groups, rewards)]
 
     def update_batches(self, groups: Sequence[RolloutGroup],
                        rewards: Sequence[np.ndarray]) -> list[list[RLBatch]]:
@@ -314,12 +278,12 @@ class Learner:
         if self.grad_threads == 1:
             return [[b] for b in self.minibatches(groups, rewards)]
         out = []
-        for chunk, adv, signs in self._chunks(groups, rewards):
+        for chunk, adv, signs, trained in self._chunks(groups, rewards):
             lengths = [len(p) + len(r.tokens) for p, r in chunk]
             keys = (prompt_keys([p for p, _ in chunk], [r.routed_experts for _, r in chunk])
                     if self.share_prompts else None)  # a prompt's responses in one part
             out.append([self._pack_chunk([chunk[i] for i in idx], adv[idx], signs[idx],
-                                         self.rows_per_part)
+                                         trained[idx], self.rows_per_part)
                         for idx in balanced_parts(lengths, self.grad_threads,
                                                   self.rows_per_part, keys)])
         return out
@@ -329,10 +293,13 @@ class Learner:
         """Old-policy pass over the whole rollout batch, then one update per minibatch (a
         batch of one minibatch: one fused update, see the module docstring). `rewards`: one
         float32 array per group (MS-ZVE's, `zve.groups_and_rewards`). A group with an
-        unscored response raises `zve.UnscoredGroupError` before anything runs.
+        unscored response raises `zve.UnscoredGroupError` before anything runs. A response
+        whose reward call failed is left out of the loss (`trained_responses`,
+        `group_advantages`); `train/masked_failed_responses` counts them.
 
         Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
         require_scored(groups)
+        masked_failed = int(np.sum(~trained_responses(groups)))
         # Each process transfers only the rows of its own devices (the same on one process).
         batches = [[distributed.put_batch(b, self.batch_sharding) for b in parts]
                    for parts in self.update_batches(groups, rewards)]
@@ -384,6 +351,7 @@ class Learner:
         out = {k: float(np.max(v) if k.endswith("_max") else
                         np.sum(v) if k.startswith("mismatch/tokens") else np.mean(v))
                for k, v in merged.items()}
+        out["train/masked_failed_responses"] = float(masked_failed)
         if out.get("train/skipped_update", 0) > 0:
             logging.warning("non-finite loss or gradient: %d update(s) skipped",
                             int(sum(merged["train/skipped_update"])))

@@ -7,7 +7,7 @@ its tokens an entropy-guided one, with H the old policy's token entropy:
     all correct:  A_t = +alpha * sg(H_t)
     all wrong:    A_t = -alpha * (max_t' H_t' - sg(H_t))    (only with `zvp.wrong_groups`)
 
-The stage acts in the learner (`train.learner.group_advantages` gives each response its
+The stage acts in the learner (`train.advantages.group_advantages` gives each response its
 group's `zvp_signs`; `train.step.token_advantages` applies `zvp_token_advantages` with
 `zvp.alpha`). With it on, a zero-variance group carries signal, so stage 4 keeps it
 (`OnlineFilter.for_zve`) and the metrics count it as trained with signal.

@@ -134,3 +134,36 @@ def test_pack_sequences_rejects_empty_prompt_and_short_logprobs():
         pack_sequences([np.array([1])] * 2, [np.array([4]), np.array([4, 5])],
                        [np.zeros(1), np.zeros(1)], None, np.zeros(2), np.zeros(2), rows=2,
                        seq_len=4, pad_id=0)
+
+
+@pytest.mark.parametrize("pack,share", [(False, False), (True, False), (True, True)])
+def test_pack_sequences_untrained_sequence_keeps_its_place_with_no_loss(pack, share):
+    # Sequence 1 (a response whose reward call failed) is packed like the others, its loss
+    # mask row left 0; every other array is the same as with every sequence trained.
+    prompts = [np.array([1, 2, 3]), np.array([1, 2, 3]), np.array([1, 6])]
+    responses = [np.array([4, 5]), np.array([7, 8, 9]), np.array([10])]
+    blogps = [np.full(len(r), -0.5, np.float32) for r in responses]
+    routings = [_routing(len(p) + len(r), base=i) for i, (p, r) in
+                enumerate(zip(prompts, responses, strict=True))]
+    kw = dict(rows=4, seq_len=6, pad_id=0, n_shards=2, moe_shape=(2, 2), pack=pack,
+              share_prompts=share)
+    args = (prompts, responses, blogps, routings, np.array([0.5, 0.0, -0.5]),
+            np.array([0.0, 0.0, 1.0]))
+    ref = pack_sequences(*args, **kw)
+    got = pack_sequences(*args, trained=np.array([True, False, True]), **kw)
+    every = pack_sequences(*args, trained=[True] * 3, **kw)
+    for name in ref.__dataclass_fields__:
+        x, y, z = getattr(ref, name), getattr(got, name), getattr(every, name)
+        if x is None:
+            assert y is None and z is None, name
+            continue
+        np.testing.assert_array_equal(z, x, err_msg=name)  # all trained == no mask given
+        if name != "loss_mask":
+            np.testing.assert_array_equal(y, x, err_msg=name)
+    # Only sequence 1's 3 response targets leave the loss: one row loses 3 tokens, the other
+    # rows keep theirs (2 and 1), padding none.
+    lost = (ref.loss_mask - got.loss_mask).sum(axis=1)
+    assert sorted(lost.tolist()) == [0, 0, 0, 3] and got.loss_mask.sum() == 3
+    assert (got.loss_mask <= ref.loss_mask).all()
+    with pytest.raises(ValueError, match="trained has 2 entries for 3 sequences"):
+        pack_sequences(*args, trained=[True, False], **kw)

@@ -1,13 +1,17 @@
 """A reward function that fails on every response stops the run after a checkpoint: its failed
 rewards (0.0, outcome False) are never trained on as if the policy had been wrong, and the step
 it stops at logs every outcome as missing. The default experiment at laptop size, in process,
-with the task's verifier swapped for a broken one."""
+with the task's verifier swapped for a broken one. The failed calls a group lists reach the
+worker layout's learner through the buffer's records."""
 
+import numpy as np
 import pytest
 from helpers import reward_pool_fns
 
 from espo_jax import configs, tasks
+from espo_jax.buffer.records import Response, RolloutGroup, decode, encode
 from espo_jax.train import loop
+from espo_jax.train.advantages import group_advantages, trained_responses
 from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.metrics import read_jsonl
 
@@ -34,4 +38,27 @@ def test_reward_function_failing_everywhere_stops_the_run_after_a_checkpoint(tmp
     assert m["zve/missing_outcomes"] == m["zve/rollouts_generated"]
     assert m["zve/missing_outcome_groups"] == m["zve/groups_generated"] == 4
     assert m["lengths/trained_mean"] == m["lengths/generated_mean"] > 0
+    # ... and the learner leaves every one of them out of the loss: no policy-gradient term.
+    assert m["train/masked_failed_responses"] == m["zve/rollouts_generated"]
+    assert m["pg/loss"] == 0.0
     assert m["lengths/trained_p90"] == m["lengths/generated_p90"] > 0
+
+
+def test_failed_reward_calls_survive_the_record_round_trip():
+    # The worker layout's learner reads groups decoded from the buffer: the failed calls the
+    # rollout side listed must arrive, so its advantages and loss masks are the in-process ones.
+    responses = [Response(tokens=np.array([5, 6]), logprobs=np.zeros(2), outcome=o, reward=rw)
+                 for o, rw in ((True, 1.0), (False, 0.0), (False, 0.0))]
+    group = RolloutGroup(prompt_id="p", prompt_tokens=np.array([1, 4]), policy_version=3,
+                         sampler="jax-fp32", created_at=0.0, responses=responses,
+                         meta={"reward_failed": [2], "worker": "rollout-0"})
+    back = decode(encode(group))
+    assert back.meta == {"reward_failed": [2], "worker": "rollout-0"}
+    rewards = [np.array([1.0, 0.0, 0.0], np.float32)]
+    # GRPO of the scored [1, 0]: +-0.5 / (0.5 + 1e-6); the failed response 0 and untrained.
+    a = 0.5 / (0.5 + 1e-6)
+    for g in (group, back):
+        adv, sign = group_advantages([g], rewards, "grpo", use_zvp=True)
+        np.testing.assert_allclose(adv, [a, -a, 0.0], rtol=1e-6)
+        np.testing.assert_array_equal(sign, [0, 0, 0])
+        np.testing.assert_array_equal(trained_responses([g]), [True, True, False])

@@ -1,6 +1,8 @@
 """The learner: advantages per group, RL-ZVP token advantages, skipped non-finite updates, and
 `Learner.update` on real rollouts of the embedded engine (tiny MoE, 2 data shards)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,14 +12,15 @@ from espo_jax import config_validation, configs, sharding
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models.config import get_preset
 from espo_jax.models.tokenizer import CharTokenizer
-from espo_jax.rl.advantages import rl_zvp
+from espo_jax.rl.advantages import ADVANTAGES, rl_zvp, zvp_signs
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout import mismatch
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import state as state_lib
+from espo_jax.train.advantages import group_advantages, trained_responses
 from espo_jax.train.batch import RLBatch
-from espo_jax.train.learner import Learner, group_advantages
+from espo_jax.train.learner import Learner
 from espo_jax.train.step import token_advantages
 from espo_jax.zve import UnscoredGroupError
 
@@ -74,6 +77,82 @@ def test_group_advantages_grpo_and_zero_variance_signs():
         group_advantages(groups, rewards[:4], "grpo", use_zvp=True)
     with pytest.raises(ValueError, match="3 responses but rewards of shape \\(2,\\)"):
         group_advantages(groups[1:2], rewards[2:3], "grpo", use_zvp=True)
+
+
+def _failed(outcomes, failed, pid="p"):
+    """A group whose responses `failed` (indices) had their reward call fail or time out: what
+    the rollout side records, outcome False and the index in `meta["reward_failed"]`."""
+    g = _group([False if i in failed else o for i, o in enumerate(outcomes)], pid)
+    g.meta["reward_failed"] = list(failed)
+    return g
+
+
+def test_group_advantages_leave_failed_rewards_out():
+    # Each group's last reward (0.0, the pool's `failed_reward`) is a failed call.
+    groups = [_failed([1, 1, 0], [2]), _failed([1, 0, 0], [2]), _failed([0, 0, 0], [0, 1, 2]),
+              _failed([0, 0, 0], [2])]
+    rewards = _rewards([[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]])
+    adv, sign = group_advantages(groups, rewards, "grpo", use_zvp=True)
+    # [1, 1, failed] is GRPO's [1, 1]: zero variance -> A = 0, RL-ZVP all-correct sign +1 (GRPO
+    # over [1, 1, 0] would give the correct answers 0.707 and the failed call -1.414).
+    # [1, 0, failed] is GRPO's [1, 0]: mean 0.5, std 0.5 -> +-0.5 / (0.5 + 1e-6).
+    # Every call failed: no outcome, A = 0 and no sign (not an all-wrong group's -1).
+    # [0, 0, failed]: the known outcomes are all wrong -> sign -1 on those two only.
+    a = 0.5 / (0.5 + 1e-6)
+    np.testing.assert_allclose(adv, [0, 0, 0, a, -a, 0, 0, 0, 0, 0, 0, 0], rtol=1e-6)
+    np.testing.assert_array_equal(sign, [1, 1, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0])
+    _, sign_c = group_advantages(groups, rewards, "grpo", use_zvp=True, zvp_wrong=False)
+    np.testing.assert_array_equal(sign_c, [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(trained_responses(groups),
+                                  [1, 1, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0])
+    # Dr. GRPO and RLOO over the scored responses of [1, 0, 1, failed]: mean 2/3, so
+    # r - 2/3 = [1/3, -2/3, 1/3] and RLOO (G = 3 scored) 3/2 of that = [0.5, -1, 0.5].
+    mixed, mixed_r = [_failed([1, 0, 1, 0], [3])], _rewards([[1, 0, 1, 0]])
+    dr, _ = group_advantages(mixed, mixed_r, "dr_grpo", use_zvp=False)
+    np.testing.assert_allclose(dr, [1 / 3, -2 / 3, 1 / 3, 0], rtol=1e-6)
+    rl, _ = group_advantages(mixed, mixed_r, "rloo", use_zvp=False)
+    np.testing.assert_allclose(rl, [0.5, -1, 0.5, 0], rtol=1e-6)
+    # One scored response: no baseline (A = 0, as a group of one), and RLOO does not raise.
+    one, one_sign = group_advantages([_failed([1, 0], [1])], _rewards([[1, 0]]), "rloo",
+                                     use_zvp=True)
+    np.testing.assert_array_equal(one, [0, 0])
+    np.testing.assert_array_equal(one_sign, [1, 0])
+
+
+def _previous_group_advantages(groups, rewards, name, use_zvp, zvp_wrong=True):
+    """`group_advantages` as it was before failed reward calls were left out (every response
+    scored): the reference the unchanged default experiment is held to."""
+    advs, signs = [], []
+    for g, group_rewards in zip(groups, rewards, strict=True):
+        rewards_g = np.asarray(group_rewards, np.float32)
+        outcomes = np.array([bool(r.outcome) for r in g.responses])
+        adv = (np.asarray(ADVANTAGES[name](rewards_g[None]))[0] if len(rewards_g) > 1
+               else np.zeros(1))
+        advs.append(adv)
+        sign = float(zvp_signs(rewards_g[None], outcomes[None], zvp_wrong)[0]) if use_zvp else 0.0
+        signs.append(np.full(len(rewards_g), sign, np.float32))
+    return np.concatenate(advs).astype(np.float32), np.concatenate(signs)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_group_advantages_without_failures_are_bitwise_the_previous_ones(name):
+    rng = np.random.default_rng(7)
+    groups, rewards = [], []
+    for i in range(40):
+        n = int(rng.integers(2 if name == "rloo" else 1, 7))
+        outcomes = rng.integers(0, 2, n) if i % 3 else np.full(n, i % 2)  # some zero-variance
+        shaped = outcomes - rng.uniform(0, 0.2, n) * (i % 4 == 1)  # some tie-broken
+        groups.append(_group(list(outcomes), pid=str(i)))
+        if i % 2:  # an empty list: what a group with no failed call may carry
+            groups[-1].meta["reward_failed"] = []
+        rewards.append(np.asarray(shaped, np.float32))
+    for use_zvp, wrong in ((True, True), (True, False), (False, True)):
+        adv, sign = group_advantages(groups, rewards, name, use_zvp, wrong)
+        ref_adv, ref_sign = _previous_group_advantages(groups, rewards, name, use_zvp, wrong)
+        assert adv.dtype == ref_adv.dtype and sign.dtype == ref_sign.dtype
+        np.testing.assert_array_equal(adv, ref_adv)
+        np.testing.assert_array_equal(sign, ref_sign)
+    assert trained_responses(groups).all()
 
 
 def _rl_batch(adv, sign, entropy, mask):
@@ -278,6 +357,79 @@ def test_update_refuses_an_unscored_group_before_any_work(learner_setup):
                                                  r"\(worker 'rollout-1'\) has 1 unscored"):
         learner.update(None, groups, rewards)
     assert set(learner._compiled) == compiled
+
+
+def test_minibatches_without_failures_are_bitwise_the_previous_ones(learner_setup):
+    # Nothing failed: every array of every minibatch is what packing the previous advantages
+    # (no `trained` mask) gives, so the default experiment's numbers do not change.
+    learner, _, _, generated = learner_setup
+    groups, rewards = _groups(generated, [[1.0, 0.0], [1.0, 1.0]])
+    ref_adv, ref_sign = _previous_group_advantages(groups, rewards, "grpo", use_zvp=True)
+    flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
+    for k, batch in enumerate(learner.minibatches(groups, rewards)):
+        sl = slice(2 * k, 2 * k + 2)  # 2 rows per minibatch
+        ref = learner.pack([p for p, _ in flat[sl]], [r.tokens for _, r in flat[sl]],
+                           [r.logprobs for _, r in flat[sl]],
+                           [r.routed_experts for _, r in flat[sl]], ref_adv[sl], ref_sign[sl])
+        for name in batch.__dataclass_fields__:
+            x, y = getattr(batch, name), getattr(ref, name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                assert x.dtype == y.dtype, name
+                np.testing.assert_array_equal(x, y, err_msg=name)
+        assert np.asarray(batch.loss_mask).sum() > 0
+
+
+def test_update_leaves_failed_rewards_out_of_the_loss(learner_setup):
+    learner, params, make_state, generated = learner_setup
+    # Without the MoE aux loss a failed response's tokens (still run by the model) have no
+    # gradient path left: the updates compare exactly to ones without those responses.
+    c = learner.config
+    state_shardings = jax.tree.map(lambda x: x.sharding, make_state(params))
+    model_config = dataclasses.replace(learner.model_config, aux_loss_coef=0.0)
+    lrn = Learner(c, model_config, learner.mesh, state_shardings)
+
+    def first_update(batch):
+        batch = jax.device_put(batch, lrn.batch_sharding)
+        batch, m_old = lrn._old_pass(params, batch)
+        _, m = lrn._train_step(make_state(params), batch, None)
+        return {k: float(v) for k, v in {**m_old, **m}.items()}
+
+    # Group "b" = [wrong, failed]: its known outcomes are all wrong (RL-ZVP sign -1 on b0 only);
+    # read as wrong, the failed call would have made b0's advantage +1.
+    groups, rewards = _groups(generated, [[1.0, 0.0], [0.0, 1.0]])
+    groups[1].responses[1].outcome = False
+    groups[1].meta["reward_failed"] = [1]
+    rewards[1] = np.array([0.0, 0.0], np.float32)
+    batches = lrn.minibatches(groups, rewards)
+    mask = np.asarray(batches[1].loss_mask)
+    order = np.asarray(batches[1].zv_sign)
+    assert sorted(order.tolist()) == [-1.0, 0.0]  # b0 signed, b1 not
+    n_b0 = len(generated[1].responses[0].tokens)
+    assert sorted(mask.sum(axis=1).tolist()) == [0.0, n_b0]  # b1's row all zero
+    np.testing.assert_array_equal(np.asarray(batches[1].advantages), [0.0, 0.0])
+    # The same minibatch with group "b" = [b0] alone (b1 not in the batch at all).
+    alone = RolloutGroup(prompt_id="b", prompt_tokens=groups[1].prompt_tokens, policy_version=0,
+                         sampler="jax-fp32", created_at=0.0, responses=groups[1].responses[:1],
+                         n_experts=8)
+    ref = lrn.minibatches([alone], [np.zeros(1, np.float32)])[0]
+    got, want = first_update(batches[1]), first_update(ref)
+    assert got["pg/loss"] != 0.0 and got["train/grad_norm"] > 0.0
+    for key in ("pg/loss", "train/loss", "train/grad_norm", "entropy/mean", "mismatch/tokens"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+    # Every call of group "b" failed: nothing of it trains (no loss, no gradient, no sign).
+    groups[1].responses[0].outcome = False
+    groups[1].meta["reward_failed"] = [0, 1]
+    dead = lrn.minibatches(groups, rewards)[1]
+    for field in ("loss_mask", "advantages", "zv_sign"):
+        assert not np.asarray(getattr(dead, field)).any(), field
+    m = first_update(dead)
+    assert m["pg/loss"] == 0.0 and m["train/grad_norm"] == 0.0
+    # `Learner.update` counts what it left out (group "a" trained as before).
+    _, m = learner.update(make_state(params), groups, rewards)
+    assert m["train/masked_failed_responses"] == 2.0 and np.isfinite(m["train/loss"])
+    _, m = learner.update(make_state(params), *_groups(generated, [[1.0, 0.0], [0.0, 1.0]]))
+    assert m["train/masked_failed_responses"] == 0.0
 
 
 def test_update_mismatch_metrics_measure_a_known_shift(learner_setup):

@@ -4,7 +4,7 @@ the online filter's keep mask and the metrics' zero-variance count agree on scri
 import numpy as np
 from helpers.zve_groups import make_group
 
-from espo_jax.train.learner import group_advantages
+from espo_jax.train.advantages import group_advantages
 from espo_jax.zve import zvp
 from espo_jax.zve.config import default_zve_config
 from espo_jax.zve.groups import ScoredGroup
