@@ -15,7 +15,6 @@ abstract parameters with their logical axes, the rules give `NamedSharding`s, an
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from collections.abc import Iterator, Sequence
@@ -69,17 +68,6 @@ def rules_from_config(mesh_config: Any) -> Rules:
     if errors:
         raise ValueError("config.mesh.rules: " + "; ".join(errors))
     return tuple(rules)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingConfig:
-    """Mesh shape (one entry may be -1: all remaining devices) and logical-axis rules."""
-
-    data: int = -1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
-    rules: Rules = DEFAULT_RULES
 
 
 def _axis_sizes(mesh_config: Any) -> dict[str, int]:
@@ -167,12 +155,6 @@ def init_sharded(config: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULES,
     return init(rng)
 
 
-def shard_params(params: dict, config: ModelConfig, mesh: Mesh,
-                 rules: Rules = DEFAULT_RULES) -> dict:
-    """Place an existing float parameter tree (e.g. loaded from Hugging Face) on the mesh."""
-    return jax.device_put(params, param_shardings(config, mesh, rules))
-
-
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
     """Sharding of any [B, ...] input (a batch pytree's every leaf): its first axis over the
     mesh axes of the `batch` rule, the other axes replicated."""
@@ -188,19 +170,12 @@ def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[No
         yield
 
 
-def addressable_shard_shapes(x: jax.Array) -> list[tuple[int, ...]]:
-    """Shapes of the shards of `x` on this process's devices (to check a split happened)."""
-    return [tuple(s.data.shape) for s in x.addressable_shards]
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
 __all__ = [
-    "DEFAULT_RULES", "LOGICAL_AXES", "MESH_AXES", "ShardingConfig", "activation_sharding",
-    "addressable_shard_shapes", "batch_sharding", "init_sharded", "logical_specs",
-    "logical_to_mesh_shardings", "make_mesh", "mesh_shape", "param_shardings", "replicated",
-    "rules_from_config",
-    "shard_params", "validate_divisibility",
+    "DEFAULT_RULES", "LOGICAL_AXES", "MESH_AXES", "activation_sharding", "batch_sharding",
+    "init_sharded", "logical_specs", "logical_to_mesh_shardings", "make_mesh", "mesh_shape",
+    "param_shardings", "replicated", "rules_from_config", "validate_divisibility",
 ]

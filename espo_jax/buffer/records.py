@@ -173,11 +173,6 @@ class RolloutGroup:
         return np.array([r.reward_components.get("step_credit", 0.0) for r in self.responses],
                         dtype=np.float32)
 
-    @property
-    def has_routing(self) -> bool:
-        """True when the responses carry routed experts (MoE sampler)."""
-        return any(r.routed_experts is not None for r in self.responses)
-
     def __eq__(self, other: object) -> bool:
         """Equal fields; arrays compare by shape and values (not dtype)."""
         if not isinstance(other, RolloutGroup):

@@ -157,8 +157,3 @@ def dequantize_params(qparams: dict, dtype: Any = jnp.float32) -> dict:
     if isinstance(qparams, dict):
         return {k: dequantize_params(v, dtype) for k, v in qparams.items()}
     return qparams
-
-
-def param_bytes(params: dict) -> int:
-    """Bytes of all leaves (FP8 values count one byte each)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))

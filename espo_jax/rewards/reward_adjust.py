@@ -1,13 +1,13 @@
 """Composing verified outcomes with reward-model scores without advantage inversion.
 
 A scalar reward model can score a wrong answer above a right one. Mixed linearly into the
-reward (`naive_mix`), that flips the order inside a group, and group-relative advantages then
-push the policy towards the wrong answer: an *advantage inversion*. `tiered_rewards` composes
-in tiers instead: the verified outcome picks the tier and the score, squashed into a band
-narrower than the gap between tiers, only orders responses within a tier. Every group-relative
-advantage in `espo_jax.rl.advantages.ADVANTAGES` is increasing in the reward, so a correct
-response then always gets a strictly higher advantage than a wrong one in its group
-(`inversion_rate` = 0).
+reward (outcome + weight * score), that flips the order inside a group, and group-relative
+advantages then push the policy towards the wrong answer: an *advantage inversion*.
+`tiered_rewards` composes in tiers instead: the verified outcome picks the tier and the
+score, squashed into a band narrower than the gap between tiers, only orders responses within
+a tier. Every group-relative advantage in `espo_jax.rl.advantages.ADVANTAGES` is increasing in
+the reward, so a correct response then always gets a strictly higher advantage than a wrong
+one in its group (`inversion_rate` = 0).
 
 Three-way judges (better / tie / worse than a reference answer) give scores via
 `judge_to_score`; the paper reports they agree with strong judges more than scalar RMs.
@@ -45,11 +45,6 @@ def tiered_rewards(
     outcome = jnp.asarray(outcome_NxG, jnp.float32)
     score = jnp.asarray(score_NxG, jnp.float32)
     return tier_gap * (outcome + band * jnp.tanh(score / score_scale))
-
-
-def naive_mix(outcome: jax.Array, score: jax.Array, weight: float) -> jax.Array:
-    """R = outcome + weight * score: the linear mix that can invert advantages (for comparison)."""
-    return jnp.asarray(outcome, jnp.float32) + weight * jnp.asarray(score, jnp.float32)
 
 
 def judge_to_score(verdicts: Sequence | np.ndarray) -> np.ndarray:

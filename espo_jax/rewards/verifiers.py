@@ -252,12 +252,6 @@ def _slot() -> _Slot:
     return _local.slot
 
 
-def helper_pid() -> int | None:
-    """Pid of this thread's helper process (None before the first isolated call)."""
-    helper = _slot().helper
-    return helper.proc.pid if helper is not None and helper.alive() else None
-
-
 @atexit.register
 def close_helpers() -> None:
     """Stops every helper process this process started (also run at exit)."""

@@ -139,11 +139,9 @@ class Engine:
 
     def request_stop(self) -> None:
         """Makes `generate_groups` (now or later) return at its next sync with only the groups
-        already complete (safe from a signal handler or another thread); see `clear_stop`."""
+        already complete (safe from a signal handler or another thread); a stopped engine stays
+        stopped."""
         self._stop.set()
-
-    def clear_stop(self) -> None:
-        self._stop.clear()
 
     @property
     def sampler_name(self) -> str:

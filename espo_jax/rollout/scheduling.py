@@ -121,31 +121,3 @@ def balance_lpt(work: Sequence[float], n_workers: int) -> list[list[int]]:
         out[w].append(i)
         heapq.heappush(heap, (load + float(work[i]), w))
     return out
-
-
-def makespan(work: Sequence[float], assignment: Sequence[Sequence[int]]) -> float:
-    """The largest total work assigned to one worker."""
-    return max((sum(float(work[i]) for i in items) for items in assignment), default=0.0)
-
-
-def simulate_slots(lengths: Sequence[int], n_slots: int, order: Sequence[int]) -> tuple[int, float]:
-    """Decode steps and idle-slot fraction of continuous batching over `n_slots` slots.
-
-    Request `order[j]` occupies a slot for `lengths[order[j]]` steps; a slot that frees takes
-    the next request at once. Returns `(steps, idle_fraction)` where idle_fraction is the share
-    of slot-steps with no request. A model of the engine's driver, used to reason about (and
-    test) admission policies without running a model.
-    """
-    if n_slots < 1:
-        raise ValueError(f"simulate_slots: n_slots must be >= 1, got {n_slots}")
-    if sorted(order) != list(range(len(lengths))):
-        raise ValueError("simulate_slots: order must be a permutation of range(len(lengths))")
-    free_at = [0] * n_slots
-    for i in order:
-        s = min(range(n_slots), key=lambda s: free_at[s])
-        free_at[s] += int(lengths[i])
-    steps = max(free_at, default=0)
-    if steps == 0:
-        return 0, 0.0
-    busy = sum(int(n) for n in lengths)
-    return steps, 1.0 - busy / (steps * n_slots)

@@ -97,7 +97,7 @@ def test_helpers():
     assert group.response_lengths.tolist() == [3, 0, 2]
     assert group.outcomes.tolist() == [1.0, 0.0, 1.0]  # outcome = (i % 2 == 0)
     assert group.rewards.tolist() == [-0.25, 0.75, 1.75]  # reward = i - 0.25
-    assert not group.has_routing
+    assert all(r.routed_experts is None for r in group.responses)
     group.responses[1].outcome = None
     group.responses[2].reward = None
     assert group.outcomes is None and group.rewards is None

@@ -162,8 +162,8 @@ def main(workdir: str, out_prefix: str) -> None:
         "bytes_equal": got_bytes == payload, "put_global_equal": placed_equal,
         "put_global_sharded": placed_sharded,
         "restored_step": int(distributed.gather_to_host(restored.step)), "meta": meta,
-        "expert_shard_shape": list(sharding.addressable_shard_shapes(
-            state.params["layers_0"]["moe"]["wi_gate"])[0]),
+        "expert_shard_shape": list(
+            state.params["layers_0"]["moe"]["wi_gate"].addressable_shards[0].data.shape),
     }
     with open(f"{out_prefix}.{jax.process_index()}.json", "w") as f:
         json.dump(info, f)

@@ -1,17 +1,31 @@
 """Sharding on 8 fake CPU devices (tests/conftest.py): mesh data=2 x expert=4, expert weights
 really split, forward and gradients equal to one device within 1e-5."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.placement import addressable_shard_shapes
 from jax.sharding import PartitionSpec
 
 from espo_jax import sharding
 from espo_jax.models import forward, get_preset
 
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The axis sizes of an experiment's `config.mesh` (one may be -1: all remaining devices)."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+
 TINY = get_preset("tiny", z_loss_coef=0.01)
-MESH_CFG = sharding.ShardingConfig(data=2, fsdp=1, expert=4, tensor=1)
+MESH_CFG = MeshConfig(data=2, fsdp=1, expert=4, tensor=1)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +56,12 @@ def test_mesh_axes_are_auto_and_sized(mesh):
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     # -1 takes the remaining devices: 8 / (fsdp 1 * expert 2 * tensor 1) = 4
-    assert sharding.mesh_shape(sharding.ShardingConfig(data=-1, expert=2), 8) == (4, 1, 2, 1)
+    assert sharding.mesh_shape(MeshConfig(data=-1, expert=2), 8) == (4, 1, 2, 1)
 
 
 def test_bad_mesh_and_divisibility_name_the_numbers(mesh):
     with pytest.raises(ValueError, match=r"data\*fsdp\*expert\*tensor = 2\*1\*4\*2 = 16 != 8"):
-        sharding.mesh_shape(sharding.ShardingConfig(data=2, expert=4, tensor=2), 8)
+        sharding.mesh_shape(MeshConfig(data=2, expert=4, tensor=2), 8)
     with pytest.raises(ValueError, match=r"layers_0/moe/wi_gate dim 0 \(size 6\) is not "
                                          r"divisible by mesh axes \('expert',\) \(size 4\)"):
         sharding.validate_divisibility(TINY.replace(n_experts=6), mesh)
@@ -57,10 +71,10 @@ def test_expert_weights_are_split_on_the_expert_axis(sharded_params):
     wi = sharded_params["layers_0"]["moe"]["wi_gate"]
     assert wi.sharding.spec == PartitionSpec("expert", "fsdp", "tensor")
     # 8 experts over expert=4: each device holds 2 experts; data=2 replicates each shard twice
-    assert sharding.addressable_shard_shapes(wi) == [(2, 64, 32)] * 8
+    assert addressable_shard_shapes(wi) == [(2, 64, 32)] * 8
     assert len({d.id for d in wi.devices()}) == 8
     emb = sharded_params["embed"]["embedding"]
-    assert sharding.addressable_shard_shapes(emb) == [(128, 64)] * 8  # fsdp/tensor are 1
+    assert addressable_shard_shapes(emb) == [(128, 64)] * 8  # fsdp/tensor are 1
 
 
 def test_sharded_init_equals_single_device_init(sharded_params, tiny_params):
@@ -92,7 +106,7 @@ def test_forward_and_grads_match_single_device(mesh, sharded_params, tiny_params
     for a, b in zip(jax.tree_util.tree_leaves(g8), jax.tree_util.tree_leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     g_wi = g8["layers_1"]["moe"]["wi_up"]
-    assert sharding.addressable_shard_shapes(g_wi) == [(2, 64, 32)] * 8
+    assert addressable_shard_shapes(g_wi) == [(2, 64, 32)] * 8
     assert np.abs(np.asarray(g_wi)).max() > 0
 
 

@@ -12,7 +12,9 @@ from espo_jax.rl import advantages
 
 # Jitted once each (cheaper than compiling every eager op on a busy CPU).
 tiered = jax.jit(reward_adjust.tiered_rewards, static_argnames=("tier_gap", "score_scale", "band"))
-naive_mix = jax.jit(reward_adjust.naive_mix)
+naive_mix = jax.jit(  # the linear mix that can invert advantages, for comparison
+    lambda outcome, score, weight: jnp.asarray(outcome, jnp.float32)
+    + weight * jnp.asarray(score, jnp.float32))
 inversion_rate = jax.jit(reward_adjust.inversion_rate)
 grpo = jax.jit(advantages.grpo)
 

@@ -12,11 +12,16 @@ import pytest
 from espo_jax.rewards import verifiers
 from espo_jax.rewards.verifiers import (
     arith_step_credit,
-    helper_pid,
     math_verify_stats,
     verify_arith,
     verify_math,
 )
+
+
+def helper_pid() -> int | None:
+    """Pid of this thread's helper process (None before the first isolated call)."""
+    helper = verifiers._slot().helper
+    return helper.proc.pid if helper is not None and helper.alive() else None
 
 
 @pytest.mark.parametrize("response, answer, expected", [

@@ -160,7 +160,7 @@ def test_routing_optional_and_dense():
     assert g.responses[0].routed_experts is not None  # index 0 kept its routing
     assert g.responses[1].routed_experts is None
     dense = convert(joint_output(), n_experts=None, expect_routing=False)
-    assert not dense.has_routing and dense.n_experts is None
+    assert all(r.routed_experts is None for r in dense.responses) and dense.n_experts is None
     with pytest.raises(VllmOutputError, match="needs n_experts"):
         convert(joint_output(), n_experts=None)
 

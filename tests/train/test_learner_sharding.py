@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import pytest
+from helpers.placement import addressable_shard_shapes
 from jax.sharding import PartitionSpec
 
 from espo_jax import configs, sharding
@@ -60,9 +61,9 @@ def test_traced_steps_see_the_configured_rules(learner):
     constrain = lambda x: nn.with_logical_constraint(x, ("batch", "length", "embed")) * 1.0
     x = jnp.ones((4, 3, 8))
     inside = learner._under_rules(jax.jit(constrain))(x)
-    assert sharding.addressable_shard_shapes(inside) == [(2, 3, 8)] * 2
+    assert addressable_shard_shapes(inside) == [(2, 3, 8)] * 2
     outside = jax.jit(constrain)(x)
-    assert sharding.addressable_shard_shapes(outside) == [(4, 3, 8)]
+    assert addressable_shard_shapes(outside) == [(4, 3, 8)]
 
 
 def test_batch_sharding_follows_the_batch_rule():
