@@ -78,12 +78,6 @@ def normalize_reward(value: Any) -> tuple[float, bool, dict[str, float]]:
     )
 
 
-def exact_match(text: str, answer: Any) -> bool:
-    """A reference reward: the response, stripped, equals the answer as text. For tests and
-    as a default where no task verifier (`espo_jax.rewards.verifiers`) applies."""
-    return text.strip() == str(answer).strip()
-
-
 def _serve(conn: Connection, reward_fn: Callable, detokenize: Callable | None) -> None:
     """Worker loop (process or thread): receive (task_id, text, answer), send back the score."""
     try:
