@@ -109,7 +109,7 @@ def test_fp8_weight_error_matches_e4m3_rounding(tiny_params, qparams):
     """Relative RMS weight error over the quantised kernels, derived: a scaled value with
     mantissa m in [1, 2) of binade 2^e lies on a grid 2^(e-3) apart, so round-to-nearest errs
     uniformly with E[err^2] = 2^(2e-6) / 12, and E[err^2] / E[w^2] = 2^-6 / (12 E[m^2]).
-    Gaussian weights have log-uniformly distributed mantissas (E[m^2] = 3 / (2 ln 2) = 2.164),
+    Gaussian weights have nearly log-uniform mantissas (E[m^2] = 3 / (2 ln 2) = 2.164),
     giving sqrt(1 / (64 * 12 * 2.164)) = 0.0245 (uniform mantissas would give 0.0236; the hard
     per-weight bound is 2^-4 = 0.0625). Measured 0.0247-0.0249 on init seeds 0-5."""
     deq = quant.dequantize_params(qparams)
