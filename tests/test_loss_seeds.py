@@ -101,8 +101,16 @@ def test_small_launch_runs_then_resumes_without_rerunning(tmp_path):
     # at the budget (or the step cap), the test split evaluated once at the end.
     assert 1 <= run["steps"] <= 3
     assert run["steps"] == 3 or run["generated_tokens"] >= 2500
-    assert 0.0 <= run["test_accuracy"] <= 1.0 and "eval/accuracy" in run["test"]
-    assert run["validation_curve"][0][0] == 0 and len(run["validation_curve"]) == run["steps"] + 1
+    assert run["test_accuracy"] == run["test"]["eval/accuracy"]
+    curve = run["validation_curve"]
+    assert [step for step, _ in curve] == list(range(run["steps"] + 1))
+    # RL starts from the seed's warm start: its step-0 evaluation is the warm start's, on the
+    # same validation prompts with the same sampling key; its last is the run's final one.
+    warm = result["warm"]["0"]
+    assert curve[0][1] == run["warmstart_accuracy"] == warm["final_accuracy"]
+    assert curve[-1][1] == run["final_accuracy"]
+    assert result["aggregate"]["off"]["espo"]["test_gain"]["values"] == pytest.approx(
+        [run["test_accuracy"] - warm["test_accuracy"]])
     assert result["commit"] == (tmp_path / "code" / "commit.txt").read_text().strip()
     assert (tmp_path / "loss_seeds.png").stat().st_size > 0
     assert (tmp_path / "loss_seeds_espo_eps.png").stat().st_size > 0

@@ -270,10 +270,13 @@ def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens
         groups = engine.generate_groups(requests, rng=jax.random.key(calls[0]))
         return sum(len(r.tokens) for g in groups for r in g.responses)
 
-    # The decode and prefill programs exactly as each shard calls them (its slots, its rows):
-    # compiled for other shapes, the op names would not match the traced ones.
+    # The decode and prefill programs exactly as each shard calls them (its slots, its rows,
+    # and a decode state committed to its device, as `insert` leaves it): compiled for other
+    # shapes or shardings, XLA compiles another program whose op names (its copies) differ
+    # from the traced ones.
     state = decode.init_state_jit(engine.config, seqs // shards, engine.max_cache_len,
                                   engine.max_stop_tokens)
+    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
     p = engine.prefill_len(prompt_len)
     modules = dict([
         compiled_text(decode.generate_jit, engine.config, steps_per_sync, engine.params, state),

@@ -70,16 +70,23 @@ def test_a_traced_program_is_attributed_and_adds_up():
 
 def test_generation_ops_are_attributed_to_the_programs_the_shards_run():
     """The engine runs its decode and prefill programs per shard (seqs / shards slots, one
-    prefill call per shard); both are compiled as the shards run them, so their ops count as
-    this program's (compiled for the whole engine's shapes, as before, the prefill's time went
-    to other programs and 59% of the total was unattributed or other)."""
+    prefill call per shard, a decode state committed to the device); `generate_program`
+    compiles both exactly so, so XLA runs the very programs whose text is read and every
+    traced op of theirs is found there (compiled with an uncommitted state, the decode program
+    was another compile whose copies had other names)."""
     from espo_jax.models import get_preset
 
-    call, modules, _, tokens = profile.generate_program(get_preset("tiny"), 8, 16, 8)
-    assert tokens == 8 * 8 and call() == tokens
+    call, modules, _, tokens = profile.generate_program(get_preset("tiny"), 8, 16, 16)
+    assert tokens == 8 * 16 and call() == tokens
     assert {name.split(".")[0] for name in modules} == {"jit__generate", "jit__prefill"}
     figures = profile.breakdown(profile.traced_op_seconds(call, 1), modules, calls=1)
+    total = figures["thread_ms_per_call"]
     attributed = sum(sum(p.values()) for p in figures["by_part_ms"].values())
-    assert figures["other_programs_ms"] < 0.2 * figures["thread_ms_per_call"], figures
-    assert attributed > figures["unattributed_ms"], figures
+    # Zero by construction (the same executables); 1% leaves room for an op the runtime adds.
+    assert figures["unattributed_ms"] <= 0.01 * total, figures
+    # The rest is other programs: insert (one call per shard and prefill block), the decode
+    # state's initialisation and the requests' keys, a fixed cost per call against 16 decode
+    # steps of 4 slots per shard: measured 4-8% of the thread time on 2 cores (8-19% with 8
+    # new tokens), so at least 80% belongs to decode and prefill with 2.5x margin.
+    assert attributed >= 0.8 * total, figures
     assert {"attention", "MoE experts (matmuls)", "sampling"} <= set(figures["by_part_ms"])

@@ -74,7 +74,12 @@ def test_logits_match_transformers_and_engine_greedy_matches_generate(smol):
     diff = float(np.abs(ours - ref).max())
     print(f"\nSmolLM2 logits: max |espo_jax - transformers| = {diff:.2e} "
           f"(logits up to {np.abs(ref).max():.1f}) over {len(ids)} tokens")
-    assert diff < 5e-4
+    # fp32 on both sides, summed in different orders (XLA's and PyTorch's CPU kernels): the
+    # gap grows with depth, here about 34 ulps of the largest logit (ulp(38.7) = 3.8e-6):
+    # 1.3e-4 on an AMD EPYC, 9.6e-5 in the README's run. Kernels that block their sums by
+    # another vector width (AVX-512 against AVX2) reorder them again, so the bound leaves a
+    # factor 2.4 over the largest measured: 8e-6 of the largest logit (67 ulps, 3.1e-4 here).
+    assert diff < 8e-6 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
     n_new = 16
@@ -115,7 +120,17 @@ def test_two_espo_steps_on_chain_sum(smol, tmp_path):
           f"{summary['final_accuracy']:.3f}; rollout accuracy per step "
           f"{[round(r['rollout/accuracy'], 3) for r in rl]}; {summary['wall_seconds']:.0f} s")
     assert summary["steps"] == 2 and len(rl) == 2
-    assert summary["mean_abs_logp_mismatch"] < 1e-3  # engine and learner: one model, fp32
+    # Engine and learner: one model in fp32, the KV-cached decode against the full forward, so
+    # each log-prob differs by about an ulp of the largest logits (38.7: ulp 3.8e-6): measured
+    # 4.6e-6 here and in the stored 10-step run; 5e-5 leaves a factor 10.
+    assert summary["mean_abs_logp_mismatch"] < 5e-5
     # The scorer's verdicts: all responses scored, none failed.
     assert all(r["reward/failed_frac"] == 0.0 for r in rl)
-    assert all(0.0 <= r["rollout/accuracy"] <= 1.0 for r in rl)
+    # Outcomes are binary: each step's accuracy counts right answers among the trained groups'
+    # responses (prompts_per_step x n_samples = 2 x 4 in the small variant, none dropped), and
+    # the held-out accuracies count right greedy answers among eval.num_prompts = 6.
+    for r in rl:
+        assert r["zve/batch_groups"] == 2 and r["rollout/accuracy"] * 8 == round(
+            r["rollout/accuracy"] * 8), r
+    for acc in (summary["warmstart_accuracy"], summary["final_accuracy"]):
+        assert abs(acc * 6 - round(acc * 6)) < 1e-9, acc

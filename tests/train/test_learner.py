@@ -625,18 +625,37 @@ def _response_logp(model_config, params, group, j):
     return float(jnp.sum(logp[0, len(prompt) - 1:]))
 
 
+def _scored_response(model_config, params, prompt, text):
+    """A Response whose tokens are `text` + eos, with the behaviour log-probs and routed experts
+    the fp32 engine would record for them (teacher-forced; the last token is never fed, -1)."""
+    from espo_jax.models import forward
+
+    tokens = CharTokenizer().encode(text, add_eos=True)
+    seq = jnp.asarray([list(prompt) + tokens], jnp.int32)
+    out = forward(model_config, params, seq)
+    logp = jax.nn.log_softmax(out.logits[0, :-1].astype(jnp.float32), axis=-1)
+    logp = jnp.take_along_axis(logp, seq[0, 1:, None], axis=-1)[len(prompt) - 1:, 0]
+    experts = np.array(out.routed_experts[0], np.int16)
+    experts[-1] = -1
+    return Response(tokens=tokens, logprobs=np.asarray(logp), routed_experts=experts,
+                    finish_reason="stop")
+
+
 def test_update_moves_probability_towards_the_rewarded_response(learner_setup):
     # The direction of the policy gradient, end to end: in group "a" response 0 is right and
     # response 1 wrong (GRPO advantages +1 / -1); one update must raise the log-probability of
-    # the first and lower that of the second.
+    # the first and lower that of the second. The two responses are written, not sampled, so
+    # they differ from their first token on (two equal samples would carry no contrast).
     learner, params, make_state, generated = learner_setup
-    if list(generated[0].responses[0].tokens) == list(generated[0].responses[1].tokens):
-        pytest.skip("both samples of group a are identical")
     model_config = get_preset("tiny")
-    groups = _groups(generated, [[1.0, 0.0], [0.0, 1.0]])
-    before = [_response_logp(model_config, params, generated[0], j) for j in (0, 1)]
+    host = jax.device_get(params)
+    prompt = generated[0].prompt_tokens
+    a = dataclasses.replace(generated[0], responses=[
+        _scored_response(model_config, host, prompt, text) for text in ("15", "9")])
+    groups = _groups([a, generated[1]], [[1.0, 0.0], [0.0, 1.0]])
+    before = [_response_logp(model_config, params, a, j) for j in (0, 1)]
     state, _ = learner.update(make_state(params), *groups)
-    after = [_response_logp(model_config, state.params, generated[0], j) for j in (0, 1)]
+    after = [_response_logp(model_config, state.params, a, j) for j in (0, 1)]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
 
 
