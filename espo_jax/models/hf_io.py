@@ -1,5 +1,6 @@
-"""Hugging Face interop: read and write Qwen3-MoE / Qwen2-MoE checkpoint directories, and the
-dense families beside them (Qwen3, Qwen2, Llama: SmolLM2, Llama 2/3 without RoPE scaling).
+"""Hugging Face interop: read and write Qwen3-MoE / Qwen2-MoE checkpoint directories, the
+dense families beside them (Qwen3, Qwen2, Llama: SmolLM2, Llama 2/3 without RoPE scaling), and
+DeepSeek-V3 / GLM-4.5 (`hf_deepseek`: their config.json; multi-token-prediction layers skipped).
 
 A Hugging Face directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. `from_pretrained` turns one into `(ModelConfig, params)` in the
@@ -19,7 +20,9 @@ Conventions crossed here:
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,11 +31,12 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from espo_jax.models import hf_deepseek
 from espo_jax.models.config import ModelConfig
 
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "llama": "LlamaForCausalLM"}
+                 "llama": "LlamaForCausalLM"} | hf_deepseek.ARCHITECTURES
 DENSE = ("qwen3", "qwen2", "llama")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
@@ -40,6 +44,8 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "intermediate_size")
 _REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+log = logging.getLogger(__name__)
 
 
 # ---- config.json <-> ModelConfig -------------------------------------------------------------
@@ -49,6 +55,11 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConf
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r} (architectures "
                          f"{hf.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
+    if model_type in hf_deepseek.ARCHITECTURES:
+        if dtype is None:
+            dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+            dtype = dtype if dtype in _NP_DTYPES else "float32"
+        return hf_deepseek.config_from_hf(hf, dtype)
     dense = model_type in DENSE
     missing = [k for k in _REQUIRED + (() if dense else _REQUIRED_MOE) if k not in hf]
     n_experts = 0 if dense else hf.get("num_experts", hf.get("num_local_experts"))
@@ -115,6 +126,8 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, An
     Qwen3 (q/k norm), Qwen2 (q/k/v bias) or Llama (neither). Raises for combinations no HF
     architecture has."""
     c = config
+    if c.router == "sigmoid_group" or c.attention == "mla":
+        return hf_deepseek.config_to_hf(c, dtype)
     if c.qk_norm and (c.qkv_bias or c.shared_expert_d_ff):
         raise ValueError("no Hugging Face architecture has q/k norm together with qkv_bias or a "
                          "shared expert (Qwen3-MoE: q/k norm; Qwen2-MoE: bias + shared expert)")
@@ -185,7 +198,9 @@ def param_map(config: ModelConfig) -> list[tuple]:
         p, hf = f"layers_{i}", f"model.layers.{i}"
         entries.append(_copy((p, "attn_norm", "scale"), f"{hf}.input_layernorm.weight"))
         entries.append(_copy((p, "mlp_norm", "scale"), f"{hf}.post_attention_layernorm.weight"))
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if config.attention == "mla":
+            entries += _mla_entries(config, (p, "attn"), f"{hf}.self_attn")
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")[4 * (config.attention == "mla"):]:
             bias = config.qkv_bias and proj != "o_proj"
             entries += _linear((p, "attn", proj), f"{hf}.self_attn.{proj}", bias)
         if config.qk_norm:
@@ -194,6 +209,9 @@ def param_map(config: ModelConfig) -> list[tuple]:
         if config.is_moe_layer(i):
             m = (p, "moe")
             entries += _linear(m + ("router",), f"{hf}.mlp.gate")
+            if config.router == "sigmoid_group":
+                entries.append(_copy(m + ("router", "e_score_correction_bias"),
+                                     f"{hf}.mlp.gate.e_score_correction_bias"))
             for ours, proj in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
                 entries.append(_experts(m + (ours,), f"{hf}.mlp.experts", proj, config.n_experts))
             if config.shared_expert_d_ff:
@@ -201,12 +219,30 @@ def param_map(config: ModelConfig) -> list[tuple]:
                     name = f"{hf}.mlp.shared_expert.{proj}"
                     entries += _linear(m + ("shared_expert", proj), name)
                 entries += _linear(m + ("shared_expert_gate",), f"{hf}.mlp.shared_expert_gate")
+            if config.n_shared_experts:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    entries += _linear(m + ("shared_experts", proj),
+                                       f"{hf}.mlp.shared_experts.{proj}")
         else:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 entries += _linear((p, "mlp", proj), f"{hf}.mlp.{proj}")
     entries.append(_copy(("final_norm", "scale"), "model.norm.weight"))
     if not config.tie_embeddings:
         entries += _linear(("lm_head",), "lm_head")
+    return entries
+
+
+def _mla_entries(config: ModelConfig, path: tuple[str, ...], hf: str) -> list[tuple]:
+    """An MLA layer's tensors (`espo_jax.models.mla`; transformers `DeepseekV3Attention`)."""
+    q = (("q_a_proj", "q_a_proj"), ("q_b_proj", "q_b_proj")) if config.q_lora_rank else (
+        ("q_proj", "q_proj"),)
+    entries = []
+    for ours, theirs in q + (("kv_a_proj", "kv_a_proj_with_mqa"), ("kv_b_proj", "kv_b_proj"),
+                             ("o_proj", "o_proj")):
+        entries += _linear(path + (ours,), f"{hf}.{theirs}")
+    norms = (("q_a_norm", "q_a_layernorm"),) if config.q_lora_rank else ()
+    for ours, theirs in norms + (("kv_a_norm", "kv_a_layernorm"),):
+        entries.append(_copy(path + (ours, "scale"), f"{hf}.{theirs}.weight"))
     return entries
 
 
@@ -283,7 +319,7 @@ def _fused_getter(reader: _TensorReader, config: ModelConfig) -> Getter:
 
 def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = None,
                     strict: bool = True) -> tuple[ModelConfig, dict]:
-    """Reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory into `(config, params)`.
+    """Reads a Hugging Face directory (one of `ARCHITECTURES`) into `(config, params)`.
 
     dtype: parameter dtype ("float32", "bfloat16", "float16"); default: config.json's `dtype`.
     shardings: optional pytree of `jax.sharding.Sharding` shaped like params; each parameter is
@@ -295,7 +331,8 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {path}")
     with open(cfg_path) as f:
-        config = config_from_hf(json.load(f), dtype=dtype)
+        hf = json.load(f)
+    config = config_from_hf(hf, dtype=dtype)
     np_dtype = _NP_DTYPES[config.param_dtype]
     reader = _TensorReader(path)
     get = _fused_getter(reader, config)
@@ -313,14 +350,23 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
             raise ValueError(f"tensor(s) {names[0]}{'...' if len(names) > 1 else ''} give "
                              f"{'/'.join(ours)} shape {value.shape}; config implies "
                              f"{expected[ours]}")
-        value = np.ascontiguousarray(value.astype(np_dtype))
+        # the correction bias stays fp32 (it orders experts whose scores may differ by < 1e-3)
+        value = np.ascontiguousarray(value.astype(
+            np.float32 if ours[-1] == "e_score_correction_bias" else np_dtype))
         if shardings is not None:
             import jax
 
             value = jax.device_put(value, _get(shardings, ours))
         _set(params, ours, value)
+    n_mtp = hf.get("num_nextn_predict_layers") or 0
+    mtp = {n for n in reader.weight_map if (m := _LAYER_INDEX.match(n))
+           and config.n_layers <= int(m.group(1)) < config.n_layers + n_mtp}
+    if mtp:
+        log.info("%s: skipped %d tensors of %d multi-token-prediction layers (layers %d..%d; "
+                 "speculative decoding, not the policy)", path, len(mtp), n_mtp,
+                 config.n_layers, config.n_layers + n_mtp - 1)
     unused = sorted(n for n in reader.weight_map if n not in reader.used
-                    and not n.endswith(_IGNORED_SUFFIXES)
+                    and not n.endswith(_IGNORED_SUFFIXES) and n not in mtp
                     and not (config.tie_embeddings and n == "lm_head.weight"))
     if strict and unused:
         raise ValueError(f"checkpoint {path} has {len(unused)} tensors the model does not use, "
@@ -334,10 +380,15 @@ def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ..
     d, h, k, a = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.head_dim
     e, f, fs = c.n_experts, c.d_expert, c.shared_expert_d_ff
     kernels = {"q_proj": (d, h), "k_proj": (d, k), "v_proj": (d, k), "o_proj": (h, d)}
+    mla = hf_deepseek.mla_shapes(c) if c.attention == "mla" else {}
     out: dict[tuple[str, ...], tuple[int, ...]] = {}
     for ours, *_ in param_map(config):
         leaf, parent = ours[-1], ours[-2] if len(ours) > 1 else ""
-        if ours[0] == "embed":
+        if ours[1:2] == ("attn",) and parent in mla:
+            shape = mla[parent]
+        elif leaf == "e_score_correction_bias":
+            shape = (e,)
+        elif ours[0] == "embed":
             shape = (c.vocab_size, d)
         elif ours[0] == "lm_head":
             shape = (d, c.vocab_size)
@@ -354,7 +405,8 @@ def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ..
         elif parent == "shared_expert_gate":
             shape = (d, 1)
         else:  # gate/up/down of the dense MLP or the shared expert
-            hidden = fs if "shared_expert" in ours else c.d_ff
+            hidden = {"shared_expert": fs, "shared_experts": f * c.n_shared_experts}.get(
+                ours[2] if len(ours) > 3 else "", c.d_ff)
             shape = (hidden, d) if parent == "down_proj" else (d, hidden)
         out[ours] = shape
     return out

@@ -100,9 +100,8 @@ def old_policy_metrics(logp, ent, out, batch: RLBatch):
     routing against the recorded one) and its mean entropy. Returns (metrics, own_routing):
     the experts the learner's own live router chooses (None without MoE layers)."""
     own = None
-    if out.routed_experts is not None and out.router_logits:
-        own = mismatch.own_routing(jnp.stack(out.router_logits, axis=2),
-                                   out.routed_experts.shape[-1])
+    if out.own_experts is not None and out.router_logits:
+        own = out.own_experts
     routing = {}
     if own is not None and batch.routed_experts is not None:
         routing = dict(own_BxTxMxk=own, recorded_BxTxMxk=batch.routed_experts,
