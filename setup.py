@@ -32,19 +32,30 @@ INSTALL_REQUIRES = [
     "jinja2==3.1.6",  # Hugging Face chat templates
 ]
 
+# Optional paths (`espo_jax/extras.py` names them when a config needs one that is absent).
+# GGUF checkpoints (`--config.model.hf_path=FILE.gguf`, espo_jax.models.gguf): transformers
+# reads them through `gguf` and refuses them without `accelerate`.
+GGUF = [
+    "torch==2.13.0",  # the CPU build (download.pytorch.org/whl/cpu) where no GPU is used
+    "transformers==5.24.0",
+    "gguf==0.19.0",
+    "accelerate==1.15.0",
+]
+PARQUET = ["pyarrow==26.0.1"]  # Parquet prompt files (`task="files"`)
+
 EXTRAS = {
+    "gguf": GGUF,
+    "parquet": PARQUET,
     "test": [
         "pytest==9.2.0",
         "pytest-xdist==3.8.0",
         "hypothesis==6.170.17",
         "portpicker==1.6.0",  # free ports for the two-process jax.distributed tests
         "ruff==0.17.6",
-        "torch==2.13.0",  # the CPU build (download.pytorch.org/whl/cpu) where no GPU is used
-        "transformers==5.24.0",
-        "gguf==0.19.0",  # transformers reads GGUF checkpoints through it (espo_jax.models.gguf)
+        *GGUF,  # also the Hugging Face reference models of the model tests
+        *PARQUET,
         # `bench peers`: TRL's GRPOTrainer on the same workload (with the versions it pulls).
         "trl==1.16.0",
-        "accelerate==1.15.0",
         "datasets==5.2.0",
         "nbclient==0.11.0",
         "nbformat==5.11.1",

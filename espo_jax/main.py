@@ -40,10 +40,10 @@ def main(argv) -> int:
         jax.config.update("jax_compilation_cache_dir",
                           os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from espo_jax import configs, distributed
+    from espo_jax import config_validation, distributed
 
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    configs.validate(config, n_devices=jax.device_count())
+    config_validation.validate(config, n_devices=jax.device_count())
     if jax.process_count() > 1 and (config.mode, config.train.loop) != ("train", "async"):
         raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
                          "train.loop=async runs multi-host (rollout workers are single processes)")

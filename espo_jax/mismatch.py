@@ -36,20 +36,11 @@ def _mean(x, w):
     return jnp.sum(x * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def mismatch_metrics(
-    learner_logp_BxT: jax.Array,
-    rollout_logp_BxT: jax.Array,
-    mask_BxT: jax.Array,
-    *,
-    own_BxTxMxk: jax.Array | None = None,
-    recorded_BxTxMxk: jax.Array | None = None,
-    position_weights_BxT: jax.Array | None = None,
-) -> dict[str, jax.Array]:
-    """The module's metrics (see its docstring) of the response tokens where `mask` > 0.
-
-    `own` / `recorded`: the learner's own routing and the rollout's recorded one (-1: a position
-    without a recording); both or neither. `position_weights`: how often each position counts in
-    the flip rate (a shared prompt's position once per response); 1 where None."""
+def logp_metrics(learner_logp_BxT: jax.Array, rollout_logp_BxT: jax.Array, mask_BxT: jax.Array,
+                 flipped_BxT: jax.Array | None = None) -> dict[str, jax.Array]:
+    """The log-prob keys of the module docstring over the tokens where `mask` > 0; with
+    `flipped` (1 where the position's routing flipped in any layer, `routing_metrics`), the
+    split at flips and elsewhere too."""
     mask = (mask_BxT > 0).astype(jnp.float32)
     d = (learner_logp_BxT - rollout_logp_BxT) * mask  # log r
     abs_d = jnp.abs(d)
@@ -60,21 +51,49 @@ def mismatch_metrics(
         "mismatch/is_weight_max": jnp.max(jnp.where(mask > 0, jnp.exp(d), 0.0)),
         "mismatch/tokens": jnp.sum(mask),
     }
-    if (own_BxTxMxk is None) != (recorded_BxTxMxk is None):
-        raise ValueError("mismatch_metrics: give both own and recorded routing, or neither")
-    if own_BxTxMxk is None:
-        return out
+    if flipped_BxT is not None:
+        at_flips = mask * (flipped_BxT > 0)
+        out["mismatch/logp_abs_mean_at_flips"] = _mean(abs_d, at_flips)
+        out["mismatch/logp_abs_mean_elsewhere"] = _mean(abs_d, mask - at_flips)
+        out["mismatch/tokens_at_flips"] = jnp.sum(at_flips)
+    return out
+
+
+def routing_metrics(own_BxTxMxk: jax.Array, recorded_BxTxMxk: jax.Array,
+                    position_weights_BxT: jax.Array | None = None):
+    """(the flip-rate keys of the module docstring, flipped_BxT): `flipped` is 1 at recorded
+    positions where any layer's own choice differs from the recorded one. `recorded` holds -1
+    at positions without a recording; `position_weights`: how often each position counts (a
+    shared prompt's position once per response), 1 where None."""
     recorded = jnp.all(recorded_BxTxMxk >= 0, axis=(-2, -1)).astype(jnp.float32)  # [B, T]
     if position_weights_BxT is not None:
         recorded = recorded * position_weights_BxT
     per_layer = models.routing_flip_rate(own_BxTxMxk, recorded_BxTxMxk, recorded)
-    out["moe/routing_flip_rate"] = jnp.mean(per_layer)
+    out = {"moe/routing_flip_rate": jnp.mean(per_layer)}
     for m in range(per_layer.shape[0]):
         out[f"moe/routing_flip_rate/layer_{m}"] = per_layer[m]
     same = jnp.all(jnp.sort(own_BxTxMxk, -1) == jnp.sort(recorded_BxTxMxk, -1), axis=-1)
-    flipped = (jnp.any(~same, axis=-1) & (recorded > 0)).astype(jnp.float32)  # [B, T]
-    at_flips = mask * flipped
-    out["mismatch/logp_abs_mean_at_flips"] = _mean(abs_d, at_flips)
-    out["mismatch/logp_abs_mean_elsewhere"] = _mean(abs_d, mask - at_flips)
-    out["mismatch/tokens_at_flips"] = jnp.sum(at_flips)
-    return out
+    flipped = (jnp.any(~same, axis=-1) & (recorded > 0)).astype(jnp.float32)
+    return out, flipped
+
+
+def mismatch_metrics(
+    learner_logp_BxT: jax.Array,
+    rollout_logp_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    own_BxTxMxk: jax.Array | None = None,
+    recorded_BxTxMxk: jax.Array | None = None,
+    position_weights_BxT: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """Every key of the module docstring, where log-probs and routing share rows and
+    positions (`logp_metrics` and `routing_metrics` for rows that differ, e.g. packed ones).
+
+    `own` / `recorded`: the learner's own routing and the rollout's recorded one; both or
+    neither."""
+    if (own_BxTxMxk is None) != (recorded_BxTxMxk is None):
+        raise ValueError("mismatch_metrics: give both own and recorded routing, or neither")
+    if own_BxTxMxk is None:
+        return logp_metrics(learner_logp_BxT, rollout_logp_BxT, mask_BxT)
+    routing, flipped = routing_metrics(own_BxTxMxk, recorded_BxTxMxk, position_weights_BxT)
+    return {**logp_metrics(learner_logp_BxT, rollout_logp_BxT, mask_BxT, flipped), **routing}

@@ -7,6 +7,7 @@ Neutral ground between the learner (`espo_jax.train`) and the rollout workers
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from espo_jax import distributed, sharding, tasks
+from espo_jax import distributed, sharding, task_prompts, tasks
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig, get_preset
 from espo_jax.models.tokenizer import load_tokenizer
@@ -59,7 +60,7 @@ def prompt_sets(config: ml_collections.ConfigDict, workdir: str, tokenizer
     `eval.split`) to `eval.num_prompts`, spread over levels, and with `eval.final_test` (and
     split "validation") as many test prompts (else none). Every worker and the learner see the
     same lists."""
-    task, splits = tasks.prompt_sources(config, workdir, tokenizer)
+    task, splits = task_prompts.prompt_sources(config, workdir, tokenizer)
     train = splits["train"]
     if not len(train):
         raise ValueError(f"task {task.name!r} has no train prompts")
@@ -154,9 +155,20 @@ def model_architecture(config: ml_collections.ConfigDict) -> ModelConfig:
         return hf_io.config_from_hf(json.load(f)).replace(**runtime_overrides(config))
 
 
+def abstract_params(config: ml_collections.ConfigDict) -> dict:
+    """The shapes and dtypes of the run's model parameters (`jax.ShapeDtypeStruct`s), from the
+    architecture alone: nothing is read or allocated."""
+    from espo_jax.models import init_params
+
+    return jax.eval_shape(functools.partial(init_params, model_architecture(config)),
+                          jax.random.key(0))
+
+
 def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
-    """Everything but the train state. Validates shapes (mesh, vocab) before any compile."""
-    model_config, hf_params = load_model(config)
+    """Everything but the train state, the cheap checks first: the architecture (a Hugging Face
+    config.json, no weights) against the tokenizer and the loss, the mesh, then the task (its
+    reward tried once, `task_prompts.check_reward`) and its prompts; the weights last."""
+    model_config = model_architecture(config)
     tokenizer = load_run_tokenizer(config)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
@@ -173,5 +185,6 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
     task, train, warm, eval_prompts, test = prompt_sets(config, workdir, tokenizer)
     if distributed.is_primary():
         distributed.sync("prompt_sources")
+    hf_params = load_model(config)[1]
     return RunSetup(config, workdir, model_config, tokenizer, mesh, rules, task, train, warm,
                     eval_prompts, hf_params, test)

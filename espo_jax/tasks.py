@@ -1,16 +1,9 @@
 """Tasks: what a run learns from. A task is prompt splits and a reward function.
 
-`config.task` names one:
-
-    ""  or "arith_chains" / "math_jsonl"   the built-in TFDS tasks (`config.data.*`; "" follows
-                                           `config.data.name`)
-    "reasoning_gym:NAME"                   a reasoning-gym dataset, with its generator and scorer
-    "files"                                JSONL / Parquet prompt files with a chosen reward
-    "package.module:function"              your own: `function(**task_args)` returns a `Task`
-    "path/to/file.py:function"             the same, from a file (experiments/my_task.py)
-
-`config.task_args` is a JSON object of keyword arguments for the task function (see
-`reasoning_gym_task` and `prompt_files` for theirs).
+The task sources are here: the built-in TFDS tasks (`arith_chains`, `math_jsonl`), reasoning-gym
+datasets (`reasoning_gym_task`), JSONL / Parquet prompt files (`prompt_files`), and the rewards
+they use; `espo_jax.task_loading` resolves `config.task` to one of them (or to a task function of
+your own), and `espo_jax.task_prompts` tokenises its prompts for the engine.
 
 A prompt is a dict with `prompt` (text, or chat messages `[{"role", "content"}]` that go through
 the tokenizer's chat template) and whatever fields the reward needs; `prompt_id` (default
@@ -19,8 +12,10 @@ start and the anchor; default "") are optional. The reward maps `(prompt, comple
 bool (the outcome; reward 1 or 0), a number (the reward; outcome = reward > 0) or a dict with
 "reward" and "outcome" and optional numeric components. The outcome is what MS-ZVE filters on;
 the reward may be shaped. It runs in the reward pool's processes, so it must be importable by
-name (defined at module level); a reward that raises or times out is counted, logged with the
-task, the prompt id and its traceback, and stops the run past `rollout.max_failed_reward_frac`.
+name (defined at module level), or the pool's threads (`rollout.reward_backend="thread"`). It is
+tried once on a train and a held-out prompt before any work (`task_prompts.check_reward`); later,
+a reward that raises or times out is counted, logged with the task, the prompt id and its
+traceback, and stops the run past `rollout.max_failed_reward_frac`.
 
 Neutral ground: the learner's loops and the rollout workers both build their task here, so a
 worker scores its responses exactly as the single-process loop does.
@@ -31,13 +26,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import json
 import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from espo_jax import extras
+from espo_jax.data.jsonl import json_objects
 from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import normalize_reward
 from espo_jax.rewards.verifiers import arith_step_credit, verify_arith, verify_math
@@ -258,56 +254,47 @@ def reasoning_gym_task(name: str, *, size: int = 2000, validation_size: int = 20
                 **splits)
 
 
-def _read_prompt_file(path: str) -> list[dict]:
+def _read_prompt_file(path: str) -> list[tuple[str, dict]]:
+    """(where, row) of every row: `path:line` of a JSONL line (blank lines skipped), `path: row
+    n` of a Parquet row. A JSONL line that is not a JSON object is an error naming it."""
     if path.endswith(".parquet"):
+        extras.require("parquet")
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not a JSON object: {e}") from None
-    return rows
+        return [(f"{path}: row {n}", row)
+                for n, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+    return [(f"{path}:{n}", row) for n, row in json_objects(path)]
 
 
-def prompt_files(*, train: str, test: str, validation: str = "", reward: str = "math",
-                 prompt_key: str = "prompt", template: str = "") -> Task:
-    """Prompts from JSONL (one JSON object per line) or Parquet files, one per split. Each row
-    becomes a prompt dict: its `prompt_key` field is the prompt (text or chat messages; with
-    `template`, `template.format(**row)` is), the other fields stay for the reward. `reward` is
-    "math" (math-verify against `answer`), "exact" (last line equals `answer`), "arith", or a
-    "package.module:function" of your own."""
-    fn = NAMED_REWARDS.get(reward) or _import(reward, "reward")
-    files = (("train", train), ("validation", validation), ("test", test))
-    for split, path in files:
-        if path and not os.path.exists(path):
-            raise FileNotFoundError(f"task files: no {split} file {path}")
-    splits = {}
-    for split, path in files:
-        if not path:
-            splits[split] = []
-            continue
-        out = []
-        for i, row in enumerate(_read_prompt_file(path)):
-            if template:
-                prompt = template.format(**row)
-            elif prompt_key in row:
-                prompt = row[prompt_key]
-            else:
-                raise ValueError(f"{path}: row {i} has no {prompt_key!r} field (fields "
-                                 f"{sorted(row)}); set task_args prompt_key or template")
-            out.append({**row, "prompt": prompt,
-                        "prompt_id": str(row.get("prompt_id", f"{split}/{i}"))})
-        splits[split] = out
-    return Task(reward=fn, name=f"files:{os.path.basename(train)}", **splits)
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in prompt)
 
 
-# ---- resolving config.task ---------------------------------------------------------------------
-def _import(spec: str, what: str) -> Callable:
+def _row_prompt(where: str, row: dict, prompt_key: str, template: str) -> str | list:
+    """The prompt of one prompt-file row (see `prompt_files`); a template field the row lacks,
+    a missing prompt field or a prompt of another type is an error naming `where`."""
+    if template:
+        try:
+            return template.format(**row)
+        except KeyError as e:
+            raise ValueError(f"{where}: expected a field {e.args[0]!r} (task_args template "
+                             f"{template!r}); the row has {sorted(row)}") from None
+        except (IndexError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where}: task_args template {template!r} cannot be filled from "
+                             f"the row's fields {sorted(row)}: {e}") from None
+    if prompt_key not in row:
+        raise ValueError(f"{where}: expected a {prompt_key!r} field (the row has "
+                         f"{sorted(row)}); set task_args prompt_key or template")
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str) and not _is_chat(prompt):
+        raise ValueError(f"{where}: expected field {prompt_key!r} to be text or chat messages "
+                         f'[{{"role": ..., "content": ...}}], got {prompt!r:.60}')
+    return prompt
+
+
+def import_spec(spec: str, what: str) -> Callable:
     """`package.module:function`, or `path/to/file.py:function` (its directory goes on
     sys.path, so the reward pool's processes and the rollout workers import it by name too)."""
     module_name, sep, attr = spec.rpartition(":")
@@ -331,116 +318,31 @@ def _import(spec: str, what: str) -> Callable:
     return getattr(module, attr)
 
 
-def task_args(config) -> dict:
-    """`config.task_args` parsed: a JSON object (an error names the key otherwise)."""
-    raw = config.task_args or "{}"
-    try:
-        args = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"config.task_args must be a JSON object, got {raw!r}: {e}") from None
-    if not isinstance(args, dict):
-        raise ValueError(f"config.task_args must be a JSON object, got {raw!r}")
-    return args
-
-
-def task_name(config) -> str:
-    return config.task or config.data.name
-
-
-BUILTIN = {"arith_chains": arith_chains_task, "math_jsonl": math_jsonl_task}
-
-
-def load_task(config, workdir: str, tokenizer) -> Task:
-    """The `Task` named by `config.task` (module doc), its prompts not yet tokenised."""
-    spec, args = task_name(config), task_args(config)
-    if spec in BUILTIN:
-        if args:
-            raise ValueError(f"config.task_args {args} given for the built-in task {spec!r}, "
-                             "which reads config.data.* instead")
-        return BUILTIN[spec](config, workdir, tokenizer)
-    if spec.startswith("reasoning_gym:"):
-        task = reasoning_gym_task(spec.partition(":")[2], **{"seed": config.seed, **args})
-    elif spec == "files":
-        task = prompt_files(**args)
-    else:
-        task = _import(spec, "config.task")(**args)
-    if not isinstance(task, Task):
-        raise TypeError(f"config.task {spec!r} returned {type(task).__name__}, not a "
-                        "espo_jax.tasks.Task")
-    return dataclasses.replace(task, name=task.name or spec)
-
-
-# ---- prompts ready for the engine --------------------------------------------------------------
-class TokenizedPrompts(Sequence):
-    """A task's prompt dicts with `tokens` (and `prompt` as the text the model sees), built on
-    access: chat messages go through `tokenizer.apply_chat_template` (no extra bos: the
-    template has its own), text gets `encode(text, add_bos=True)`. Prompts that already carry
-    `tokens` (the built-in TFDS sources) pass through."""
-
-    def __init__(self, prompts: Sequence[Mapping], tokenizer, *, split: str, task: str,
-                 max_prompt_tokens: int):
-        self._prompts, self._tokenizer = prompts, tokenizer
-        self._split, self._task, self._max = split, task, max_prompt_tokens
-
-    def __len__(self) -> int:
-        return len(self._prompts)
-
-    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
-        p = self._prompts[i]
-        if "tokens" in p:
-            return dict(p)
-        out = {"prompt_id": f"{self._split}/{i}", "level": 0, "solution": "", **p}
-        prompt = out["prompt"]
-        if isinstance(prompt, str):
-            tokens = self._tokenizer.encode(prompt, add_bos=True)
-        elif isinstance(prompt, Sequence):
-            prompt = self._tokenizer.apply_chat_template(list(prompt))
-            tokens = self._tokenizer.encode(prompt)
-        else:
-            raise TypeError(f"task {self._task!r}: prompt {out['prompt_id']!r} is a "
-                            f"{type(prompt).__name__}; give text or chat messages")
-        if len(tokens) > self._max:
-            raise ValueError(f"task {self._task!r}: prompt {out['prompt_id']!r} has "
-                             f"{len(tokens)} tokens > rollout.max_prompt_len={self._max}")
-        out.update(prompt=prompt, tokens=tokens, level=int(out["level"]),
-                   prompt_id=str(out["prompt_id"]))
-        return out
-
-
-def prompt_sources(config, workdir: str, tokenizer) -> tuple[Task, dict[str, Sequence[dict]]]:
-    """(task, {"train", "warm", "validation", "test": tokenised prompts}); a split the task
-    lacks is empty. Every prompt's length is checked here for tasks given as lists."""
-    task = load_task(config, workdir, tokenizer)
-    limit = config.rollout.max_prompt_len
-    out = {}
-    for split, prompts in (("train", task.train), ("warm", task.warm or task.train),
-                           ("validation", task.validation), ("test", task.test)):
-        tokenized = TokenizedPrompts(prompts, tokenizer, split=split, task=task.name,
-                                     max_prompt_tokens=limit)
-        if isinstance(prompts, list):  # a task's own list: tokenise (and check) every prompt now
-            tokenized = [tokenized[i] for i in range(len(tokenized))]
-        out[split] = tokenized
-    _check_ids(task, out)
-    return task, out
-
-
-def _check_ids(task: Task, splits: dict[str, Sequence[dict]]) -> None:
-    """Prompt ids are the scheduler's keys: two prompts of the train split with one id, or a
-    train id reused in validation or test, is an error naming it (built-in sources are
-    checked by their builders)."""
-    train = splits["train"]
-    if not isinstance(train, list):
-        return
-    ids = [p["prompt_id"] for p in train]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ValueError(f"task {task.name!r}: prompt_id {dup!r} appears twice in train")
-    for split in ("validation", "test"):
-        if isinstance(splits[split], list):
-            shared = set(ids) & {p["prompt_id"] for p in splits[split]}
-            if shared:
-                raise ValueError(f"task {task.name!r}: prompt ids {sorted(shared)[:3]} are in "
-                                 f"both train and {split}")
+def prompt_files(*, train: str, test: str, validation: str = "", reward: str = "math",
+                 prompt_key: str = "prompt", template: str = "") -> Task:
+    """Prompts from JSONL (one JSON object per line) or Parquet files, one per split. Each row
+    becomes a prompt dict: its `prompt_key` field is the prompt (text or chat messages; with
+    `template`, `template.format(**row)` is), the other fields stay for the reward. `reward` is
+    "math" (math-verify against `answer`), "exact" (last line equals `answer`), "arith", or a
+    "package.module:function" of your own. Every row is checked as it is read: a line that is
+    not a JSON object, a template field or prompt the row lacks is an error naming
+    `path:line`."""
+    fn = NAMED_REWARDS.get(reward) or import_spec(reward, "reward")
+    files = (("train", train), ("validation", validation), ("test", test))
+    for split, path in files:
+        if path and not os.path.exists(path):
+            raise FileNotFoundError(f"task files: no {split} file {path}")
+    splits = {}
+    for split, path in files:
+        if not path:
+            splits[split] = []
+            continue
+        out = []
+        for i, (where, row) in enumerate(_read_prompt_file(path)):
+            out.append({**row, "prompt": _row_prompt(where, row, prompt_key, template),
+                        "prompt_id": str(row.get("prompt_id", f"{split}/{i}"))})
+        splits[split] = out
+    return Task(reward=fn, name=f"files:{os.path.basename(train)}", **splits)
 
 
 # ---- what the loops and workers use ------------------------------------------------------------

@@ -1,9 +1,15 @@
-"""`configs.validate`: every bad value named with its key and the allowed values, all at once,
-before anything is compiled (divisibility with the numbers, the mesh against the devices)."""
+"""`config_validation.validate`: every bad value named with its key and the allowed values, all
+at once, before anything is compiled (divisibility with the numbers, the mesh against the
+devices)."""
+
+import json
+import pathlib
+import re
+import sys
 
 import pytest
 
-from espo_jax import configs
+from espo_jax import config_validation, configs
 
 
 def _small():
@@ -13,8 +19,8 @@ def _small():
 
 
 def test_default_and_small_configs_validate():
-    configs.validate(configs.default_config(), n_devices=1)
-    configs.validate(_small(), n_devices=1)
+    config_validation.validate(configs.default_config(), n_devices=1)
+    config_validation.validate(_small(), n_devices=1)
 
 
 @pytest.mark.parametrize(
@@ -23,7 +29,7 @@ def test_default_and_small_configs_validate():
         ("train.replay", "bogus", "config.train.replay='bogus' is not one of ('r3', 'r2', 'off')"),
         ("train.loop", "fast", "config.train.loop='fast' is not one of ('sync', 'async')"),
         ("rollout.precision", "int4",
-         "config.rollout.precision='int4' is not one of ('fp32', 'bf16', 'fp8')"),
+         "config.rollout.precision='int4' is not one of ('fp32', 'bf16', 'fp8', 'fp8_block')"),
         ("advantage.name", "ppo",
          "config.advantage.name='ppo' is not one of ('grpo', 'dr_grpo', 'rloo')"),
         ("model.preset", "huge", "config.model.preset='huge' is not one of ('tiny', 'small'"),
@@ -44,35 +50,35 @@ def test_bad_choice_names_key_and_allowed_values(key, value, message):
     section, name = key.split(".")
     c[section][name] = value
     with pytest.raises(ValueError, match="invalid config") as e:
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     assert message in str(e.value)
 
 
 def test_anchor_needs_warm_start_levels():
     c = _small()
     c.train.anchor_coef = 0.5
-    configs.validate(c, n_devices=1)
+    config_validation.validate(c, n_devices=1)
     c.mesh.data = 2
     c.train.anchor_rows = 3  # rows of the anchor batch are split over the data shards
     with pytest.raises(ValueError, match=r"anchor rows 3 .* not divisible by mesh.data"):
-        configs.validate(c, n_devices=2)
+        config_validation.validate(c, n_devices=2)
     c.warmstart.levels = ()
     with pytest.raises(ValueError, match="config.warmstart.levels is empty"):
-        configs.validate(c, n_devices=2)
+        config_validation.validate(c, n_devices=2)
 
 
 def test_negative_attention_chunk_is_rejected():
     c = _small()
     c.model.attention_chunk = -8
     with pytest.raises(ValueError, match=r"config.model.attention_chunk must be >= 0"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
 
 
 def test_divisibility_messages_name_the_numbers():
     c = _small()
     c.train.updates_per_batch = 3
     with pytest.raises(ValueError) as e:
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     # 4 prompts x 4 samples = 16 rows, not a multiple of 3 updates.
     assert ("rollout rows prompts_per_step*zve.n_samples = 16 not divisible by "
             "train.updates_per_batch = 3") in str(e.value)
@@ -82,7 +88,7 @@ def test_divisibility_messages_name_the_numbers():
     c.train.pack = False  # micro-batches need one row per sequence
     c.mesh.data = 3
     with pytest.raises(ValueError) as e:
-        configs.validate(c, n_devices=8)
+        config_validation.validate(c, n_devices=8)
     # 8 rows over 2 micro-batches x 3 data shards (6) leave a remainder.
     assert ("rows per update 8 not divisible by train.micro_batches * mesh.data * mesh.fsdp = "
             "2 * 3 * 1") in str(e.value)
@@ -90,20 +96,20 @@ def test_divisibility_messages_name_the_numbers():
     c.train.micro_batches = 8
     with pytest.raises(ValueError, match=r"rows per update 8 not divisible by "
                                          r"train.grad_threads \* train.micro_batches = 2 \* 8"):
-        configs.validate(c, n_devices=8)
+        config_validation.validate(c, n_devices=8)
     c.train.micro_batches = 2
-    configs.validate(c, n_devices=8)
+    config_validation.validate(c, n_devices=8)
     c.mesh.data = 2  # 2 * 2 = 4 divides 8
-    configs.validate(c, n_devices=8)
+    config_validation.validate(c, n_devices=8)
     c.rollout.engine_shards = 3  # the small config's 16 slots do not split in 3
     with pytest.raises(ValueError, match=r"rollout.num_slots = 16 not divisible by "
                                          r"rollout.engine_shards = 3"):
-        configs.validate(c, n_devices=8)
+        config_validation.validate(c, n_devices=8)
     c.rollout.engine_shards = 0  # auto: the engine picks a divisor of the slots
-    configs.validate(c, n_devices=8)
+    config_validation.validate(c, n_devices=8)
     c.rollout.engine_shards = -1
     with pytest.raises(ValueError, match=r"rollout.engine_shards"):
-        configs.validate(c, n_devices=8)
+        config_validation.validate(c, n_devices=8)
 
 
 def test_packing_refuses_micro_batches():
@@ -111,25 +117,25 @@ def test_packing_refuses_micro_batches():
     c.train.micro_batches = 2
     with pytest.raises(ValueError, match=r"train.pack=True needs train.micro_batches == 1 "
                                          r"\(got 2\)"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     c.train.pack = False
-    configs.validate(c, n_devices=1)
+    config_validation.validate(c, n_devices=1)
 
 
 def test_mesh_larger_than_devices():
     c = _small()
     c.mesh.data, c.mesh.expert = 2, 4
-    configs.validate(c, n_devices=8)
+    config_validation.validate(c, n_devices=8)
     with pytest.raises(ValueError, match="mesh data\\*fsdp\\*expert\\*tensor = 8 but only 4 "
                                          "devices are visible"):
-        configs.validate(c, n_devices=4)
+        config_validation.validate(c, n_devices=4)
 
 
 def test_every_problem_is_listed_at_once():
     c = _small()
     c.train.replay, c.rollout.engine = "r9", "trt"
     with pytest.raises(ValueError) as e:
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     assert "config.train.replay='r9'" in str(e.value)
     assert "config.rollout.engine='trt' is not one of ('jax', 'vllm')" in str(e.value)
 
@@ -167,7 +173,7 @@ def test_out_of_range_values_are_named(key, value, message):
         target = target[part]
     target[rest[-1]] = value
     with pytest.raises(ValueError, match="invalid config") as e:
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     assert message in str(e.value)
 
 
@@ -198,7 +204,7 @@ def _with(overrides: dict):
 )
 def test_combinations_the_layout_cannot_run(overrides, message):
     with pytest.raises(ValueError, match="invalid config") as e:
-        configs.validate(_with(overrides), n_devices=1)
+        config_validation.validate(_with(overrides), n_devices=1)
     assert message in str(e.value)
 
 
@@ -214,7 +220,7 @@ def test_combinations_the_layout_cannot_run(overrides, message):
     ],
 )
 def test_combinations_the_layout_can_run(overrides):
-    configs.validate(_with(overrides), n_devices=1)
+    config_validation.validate(_with(overrides), n_devices=1)
 
 
 # ---- every leaf of default_config() ------------------------------------------------------------
@@ -264,7 +270,7 @@ def test_every_leaf_is_validated_or_free_form():
             node = node[p]
         node[leaf] = wrong
         with pytest.raises(ValueError) as raised:
-            configs.validate(c, n_devices=8)
+            config_validation.validate(c, n_devices=8)
         # loss.* and zve.* are checked by their own modules, which name the key inside them.
         named = key.split(".", 1)[1] if key.startswith(("loss.", "zve.")) else key
         assert named in str(raised.value), (key, str(raised.value)[:300])
@@ -277,22 +283,75 @@ def test_the_issue_bad_values_and_the_free_leaves_checks():
     c = configs.default_config()
     c.optim.lr, c.eval.num_prompts, c.checkpoint.every = -1.0, -3, 0
     with pytest.raises(ValueError) as raised:
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     for key in ("optim.lr", "eval.num_prompts", "checkpoint.every"):
         assert f"config.{key}" in str(raised.value)
     c = configs.default_config()
     c.warmstart.steps, c.warmstart.levels = 10, ()
     with pytest.raises(ValueError, match="warmstart.steps > 0 needs config.warmstart.levels"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     c = configs.default_config()
     c.data.name = "math_jsonl"
     with pytest.raises(ValueError, match="config.data.jsonl_train must be set"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     c.data.jsonl_train, c.data.jsonl_test = "/nonexistent/a.jsonl", "/nonexistent/b.jsonl"
     with pytest.raises(ValueError, match=r"config.data.jsonl_train='/nonexistent/a.jsonl' does"):
-        configs.validate(c, n_devices=1)
-    configs.validate(c, n_devices=1, check_paths=False)  # on paper: paths not looked for
+        config_validation.validate(c, n_devices=1)
+    config_validation.validate(c, n_devices=1, check_paths=False)  # on paper: paths not looked for
     c = configs.default_config()
     c.tokenizer = "model"
     with pytest.raises(ValueError, match="config.tokenizer='model'.*needs config.model.hf_path"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
+
+
+# ---- optional packages: named with their extra before any work ---------------------------------
+def test_a_gguf_checkpoint_without_its_packages_names_them_and_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")  # never read: validation looks at the name and the cache only
+    c = configs.default_config()
+    c.model.hf_path = str(path)
+    config_validation.validate(c, n_devices=1)  # all of them installed here
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    with pytest.raises(ValueError) as raised:
+        config_validation.validate(c, n_devices=1)
+    assert (f"config.model.hf_path={str(path)!r}: GGUF checkpoints (read through transformers) "
+            "need the packages gguf, accelerate (not installed): pip install -e '.[gguf]'"
+            in str(raised.value))
+    config_validation.validate(c, n_devices=1, check_paths=False)  # on paper: not looked for
+
+
+def test_parquet_prompt_files_without_pyarrow_name_it_and_the_extra(tmp_path, monkeypatch):
+    for name in ("train.jsonl", "test.parquet"):
+        (tmp_path / name).write_text("")
+    c = _small()
+    c.task = "files"
+    c.task_args = json.dumps({"train": str(tmp_path / "train.jsonl"),
+                              "test": str(tmp_path / "test.parquet")})
+    config_validation.validate(c, n_devices=1)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ValueError, match=re.escape(
+            "config.task_args test: Parquet prompt files need the package pyarrow (not "
+            "installed): pip install -e '.[parquet]'")):
+        config_validation.validate(c, n_devices=1)
+    c.task_args = json.dumps({"train": str(tmp_path / "train.jsonl"),
+                              "test": str(tmp_path / "train.jsonl")})
+    config_validation.validate(c, n_devices=1)  # JSONL only: pyarrow is not needed
+
+
+def test_setup_extras_install_what_the_optional_paths_import(monkeypatch):
+    import runpy
+
+    import setuptools
+
+    from espo_jax import extras
+
+    setup = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: setup.update(kw))
+    runpy.run_path(str(pathlib.Path(__file__).parents[1] / "setup.py"))
+    required = setup["extras_require"]
+    for extra, (_, modules) in extras.EXTRAS.items():
+        pinned = {r.split("==")[0] for r in required[extra]}
+        assert pinned == set(modules), extra  # distribution and module names agree here
+        assert all("==" in r for r in required[extra]), required[extra]
+        assert set(required[extra]) <= set(required["test"]), extra  # the tests cover them

@@ -11,7 +11,7 @@ import os
 import jax
 import pytest
 
-from espo_jax import configs, plot, sharding
+from espo_jax import config_validation, configs, plot, sharding
 from espo_jax.models import init_params
 from espo_jax.models.config import get_preset
 from espo_jax.rl.loss_config import paper_loss_config
@@ -85,8 +85,9 @@ def test_the_small_arith_variant_is_apply_small_of_the_full_one(name):
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_loads_and_validates(name):
     full, small = load(name), load(name, "small")
-    configs.validate(full, n_devices=jax.device_count(), check_paths=name not in REAL_SCALE)
-    configs.validate(small, n_devices=jax.device_count())
+    config_validation.validate(full, n_devices=jax.device_count(),
+                               check_paths=name not in REAL_SCALE)
+    config_validation.validate(small, n_devices=jax.device_count())
     assert small.train.steps == 2
     assert (small.model.preset == "tiny") != (name in PRETRAINED)
     if name not in ARITH and name not in LAYOUT:
@@ -110,7 +111,7 @@ def test_unknown_experiment_argument():
 @pytest.mark.parametrize("name", sorted(REAL_SCALE & set(EXPERIMENTS)))
 def test_real_scale_shapes_and_shardings_on_paper(name):
     config = load(name)
-    configs.validate(config, n_devices=8, check_paths=False)
+    config_validation.validate(config, n_devices=8, check_paths=False)
     model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
     n_mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
@@ -127,7 +128,7 @@ def test_real_scale_shapes_and_shardings_on_paper(name):
 @pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - PRETRAINED))
 def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
     config = load(name, "small")
-    configs.validate(config, n_devices=jax.device_count())
+    config_validation.validate(config, n_devices=jax.device_count())
     workdir = str(tmp_path_factory.mktemp(name))
     summary = loop.run_sync(config, workdir)
     with open(os.path.join(workdir, "summary.json")) as f:
@@ -172,7 +173,7 @@ def test_warm_start_only_run_with_a_time_budget(tmp_path):
     # steps" comparison); a 1 us budget stops it after its first step, evaluated.
     config = load("arith_espo", "small")
     config.train.steps, config.warmstart.steps, config.warmstart.max_seconds = 0, 50, 1e-6
-    configs.validate(config, n_devices=jax.device_count())
+    config_validation.validate(config, n_devices=jax.device_count())
     summary = loop.run_sync(config, str(tmp_path))
     assert summary["steps"] == 0 and summary["generated_tokens"] == 0  # no offline pass either
     assert summary["warmstart_steps"] == 1 and summary["warmstart_seconds"] > 0

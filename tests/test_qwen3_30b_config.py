@@ -11,7 +11,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from espo_jax import configs, sharding
+from espo_jax import config_validation, sharding
 from espo_jax.models.transformer import init_boxed
 from espo_jax.run_setup import preset_model_config
 
@@ -48,7 +48,7 @@ def model():
 
 def test_full_config_validates_with_paper_settings():
     c = load()
-    configs.validate(c, n_devices=8, check_paths=False)
+    config_validation.validate(c, n_devices=8, check_paths=False)
     assert (c.rollout.engine, c.rollout.precision, c.train.loop) == ("vllm", "fp8", "async")
     assert (c.model.preset, c.model.hf_path) == ("qwen3_30b_a3b", "/models/Qwen3-30B-A3B")
     assert c.tokenizer == "/models/Qwen3-30B-A3B/tokenizer.json"
@@ -69,11 +69,11 @@ def test_full_config_validates_with_paper_settings():
 
 def test_tpu_variant_needs_its_slice():
     c = load("tpu")
-    configs.validate(c, n_devices=32, check_paths=False)
+    config_validation.validate(c, n_devices=32, check_paths=False)
     # 256 rows per update over fsdp=32: 8 rows per chip -> 8 micro-batches of one sequence.
     assert (c.mesh.fsdp, c.train.micro_batches) == (32, 8)
     with pytest.raises(ValueError, match="mesh data\\*fsdp\\*expert\\*tensor = 32 but only 8"):
-        configs.validate(c, n_devices=8, check_paths=False)
+        config_validation.validate(c, n_devices=8, check_paths=False)
 
 
 def test_arguments():
@@ -89,7 +89,7 @@ def test_arguments():
 
 def test_small_variant_is_laptop_sized():
     c = load("small")
-    configs.validate(c, n_devices=1)
+    config_validation.validate(c, n_devices=1)
     assert (c.model.preset, c.model.hf_path, c.rollout.engine, c.train.loop) == (
         "tiny", "", "jax", "sync")
     assert (c.tokenizer, c.data.name, c.loss.vocab_size, c.train.steps) == (

@@ -57,3 +57,30 @@ def test_workers_share_the_prompts_without_overlap():
     assert shares == [["p0", "p2", "p4"], ["p1", "p3"]]  # disjoint, all five covered
     with pytest.raises(ValueError, match="worker 5 of 6: no training prompts .* has 5"):
         worker_share(prompts, 5, 6)
+
+
+def test_the_vocabulary_is_checked_before_the_weights_are_read(tmp_path, monkeypatch):
+    """A Hugging Face checkpoint whose vocabulary the tokenizer overflows is refused from its
+    config.json: no tensor of it is read (nor any prompt prepared)."""
+    import jax
+    import pytest
+
+    from espo_jax import run_setup
+    from espo_jax.models import get_preset, hf_io, init_params
+    from espo_jax.models.tokenizer import CharTokenizer
+
+    small_vocab = get_preset("tiny", vocab_size=32)
+    assert CharTokenizer().vocab_size > 32
+    hf_io.save_pretrained(small_vocab, init_params(small_vocab, jax.random.key(0)),
+                          str(tmp_path))
+    c = _small()
+    c.model.hf_path = str(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("read before the vocabulary check")
+
+    monkeypatch.setattr(hf_io, "from_pretrained", refuse)
+    monkeypatch.setattr(run_setup, "prompt_sets", refuse)
+    with pytest.raises(ValueError, match=f"tokenizer has {CharTokenizer().vocab_size} ids but "
+                                         "the model's vocab_size is 32"):
+        run_setup.build(c, str(tmp_path / "run"))

@@ -4,11 +4,12 @@ ones, reasoning-gym by name, prompt files, your own module, and the errors of ea
 import json
 import os
 import pickle
+import re
 import sys
 
 import pytest
 
-from espo_jax import configs, tasks
+from espo_jax import config_validation, configs, task_loading, task_prompts, tasks
 from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import RewardPool
 
@@ -29,22 +30,22 @@ def _small(**overrides):
 
 def test_step_credit_needs_arith_worked_solutions_and_stage_2(tmp_path):
     c = _small()
-    assert tasks.load_task(c, str(tmp_path), TOK).reward is tasks.arith_reward
+    assert task_loading.load_task(c, str(tmp_path), TOK).reward is tasks.arith_reward
     c.zve.tie_break.wrong_score = "step_credit"
     c.zve.tie_break.enabled = True
-    configs.validate(c, n_devices=1)
-    reward, target = tasks.reward_fn(tasks.load_task(c, str(tmp_path), TOK))
+    config_validation.validate(c, n_devices=1)
+    reward, target = tasks.reward_fn(task_loading.load_task(c, str(tmp_path), TOK))
     prompt = {"answer": "9", "solution": "a5=5,b+7=12,c-3=9#9", "tokens": [1, 2]}
     assert "tokens" not in target(prompt)
     assert reward("a5=5,b+7=12,c-3=8#8", target(prompt)) == {
         "reward": 0.0, "outcome": False, "step_credit": pytest.approx(2 / 3)}
     c.zve.tie_break.wrong_score = "partial"
     with pytest.raises(ValueError, match=r"wrong_score 'partial' is not one of \('zero'"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
     c.zve.tie_break.wrong_score = "step_credit"
     c.zve.tie_break.enabled = False
     with pytest.raises(ValueError, match="needs worked solutions .* enabled=False"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
 
 
 # ---- reasoning-gym -----------------------------------------------------------------------------
@@ -96,8 +97,8 @@ def test_reasoning_gym_by_name_through_the_config(tmp_path):
                                      "system_prompt": ""}))
     c.warmstart.steps = 0
     c.train.anchor_coef = 0.0
-    configs.validate(c, n_devices=1)
-    task, splits = tasks.prompt_sources(c, str(tmp_path), TOK)
+    config_validation.validate(c, n_devices=1)
+    task, splits = task_prompts.prompt_sources(c, str(tmp_path), TOK)
     assert len(splits["train"]) == 20 and len(splits["warm"]) == 20
     p = splits["train"][0]
     # Chat messages through the (character) tokenizer's template: the contents, no extra bos.
@@ -105,7 +106,7 @@ def test_reasoning_gym_by_name_through_the_config(tmp_path):
     assert p["tokens"] == TOK.encode(p["prompt"]) and p["prompt_id"].endswith("/train/0")
     c.task = "reasoning_gym:no_such_task"
     with pytest.raises(ValueError, match="reasoning-gym has no dataset 'no_such_task'"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
 
 
 # ---- prompt files ------------------------------------------------------------------------------
@@ -120,8 +121,8 @@ def test_prompt_files_jsonl_and_parquet(tmp_path):
     c = _small(task="files", task_args=json.dumps(
         {"train": str(tmp_path / "train.jsonl"), "test": str(tmp_path / "test.parquet"),
          "template": "Q: {question}", "reward": "exact"}))
-    configs.validate(c, n_devices=1)
-    task, splits = tasks.prompt_sources(c, str(tmp_path), TOK)
+    config_validation.validate(c, n_devices=1)
+    task, splits = task_prompts.prompt_sources(c, str(tmp_path), TOK)
     assert [p["prompt"] for p in splits["test"]] == ["Q: 0+0=", "Q: 1+1=", "Q: 2+2="]
     assert splits["train"][5]["tokens"] == TOK.encode("Q: 5+5=", add_bos=True)
     assert [p["level"] for p in splits["train"]] == [1, 2, 1, 2, 1, 2]
@@ -129,15 +130,69 @@ def test_prompt_files_jsonl_and_parquet(tmp_path):
     assert task.reward(splits["test"][2], "5") is False
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "answer": "1"}\nnot json\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object, got invalid JSON"):
         tasks.prompt_files(train=str(bad), test=str(bad))
-    with pytest.raises(ValueError, match="row 0 has no 'prompt' field"):
+    with pytest.raises(ValueError, match=r"train.jsonl:1: expected a 'prompt' field \(the row "
+                                         r"has \['answer', 'level', 'question'\]\)"):
         tasks.prompt_files(train=str(tmp_path / "train.jsonl"), test=str(bad))
     with pytest.raises(FileNotFoundError, match="no test file"):
         tasks.prompt_files(train=str(bad), test=str(tmp_path / "nowhere.jsonl"))
     c.task_args = json.dumps({"train": str(bad)})
     with pytest.raises(ValueError, match="needs config.task_args with 'train' and 'test'"):
-        configs.validate(c, n_devices=1)
+        config_validation.validate(c, n_devices=1)
+
+
+def test_prompt_file_rows_are_checked_line_by_line(tmp_path):
+    """Each fault names the file and line (blank lines counted) and what was expected, instead
+    of a bare TypeError / KeyError from the rows' use."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"q": "1+1", "prompt": "1+1=", "answer": "2"}\n')
+
+    def error(text: str, **kw) -> str:
+        path = tmp_path / "rows.jsonl"
+        path.write_text(text)
+        with pytest.raises(ValueError) as raised:
+            tasks.prompt_files(train=str(good), test=str(path), reward="exact", **kw)
+        return str(raised.value)
+
+    row = '{"q": "2+2", "answer": "4"}\n'
+    assert error(row + "\n[1, 2]\n", template="{q}=") == (
+        f"{tmp_path}/rows.jsonl:3: expected a JSON object, got a JSON list: '[1, 2]'")
+    assert error(row + '"just text"\n', template="{q}=") == (
+        f"{tmp_path}/rows.jsonl:2: expected a JSON object, got a JSON str: '\"just text\"'")
+    assert error(row + '{"answer": "5"}\n', template="{q}=") == (
+        f"{tmp_path}/rows.jsonl:2: expected a field 'q' (task_args template '{{q}}='); the row "
+        "has ['answer']")
+    assert error(row, template="{}=").startswith(  # the train file is read first
+        f"{tmp_path}/good.jsonl:1: task_args template '{{}}=' cannot be filled from the row's "
+        "fields ['answer', 'prompt', 'q']")
+    assert error('{"prompt": 7, "answer": "7"}\n') == (
+        f"{tmp_path}/rows.jsonl:1: expected field 'prompt' to be text or chat messages "
+        '[{"role": ..., "content": ...}], got 7')
+    assert error('{"prompt": [{"role": "user"}], "answer": "7"}\n').startswith(
+        f"{tmp_path}/rows.jsonl:1: expected field 'prompt' to be text or chat messages")
+    pq.write_table(pa.Table.from_pylist([{"q": "1"}, {"q": None}]), str(tmp_path / "t.parquet"))
+    with pytest.raises(ValueError,
+                       match=r"t.parquet: row 2: expected field 'q' to be text .*, got None"):
+        tasks.prompt_files(train=str(good), test=str(tmp_path / "t.parquet"), prompt_key="q")
+    chat = '{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}\n'
+    (tmp_path / "chat.jsonl").write_text(chat)
+    task = tasks.prompt_files(train=str(good), test=str(tmp_path / "chat.jsonl"), template="")
+    assert task.test[0]["prompt"] == [{"role": "user", "content": "hi"}]
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a", "answer": "1"}\n')
+    (tmp_path / "test.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ModuleNotFoundError, match=re.escape(
+            "Parquet prompt files need the package pyarrow (not installed): pip install -e "
+            "'.[parquet]'")):
+        tasks.prompt_files(train=str(tmp_path / "train.jsonl"),
+                           test=str(tmp_path / "test.parquet"))
 
 
 # ---- your own module ---------------------------------------------------------------------------
@@ -179,8 +234,8 @@ def user_module(tmp_path, monkeypatch):
 
 def test_user_task_module(tmp_path, user_module):
     c = _small(task=f"{user_module}:make", task_args='{"n": 3}')
-    configs.validate(c, n_devices=1)
-    task, splits = tasks.prompt_sources(c, str(tmp_path), TOK)
+    config_validation.validate(c, n_devices=1)
+    task, splits = task_prompts.prompt_sources(c, str(tmp_path), TOK)
     assert task.name == "my_task_mod:make"
     assert [p["prompt_id"] for p in splits["train"]] == ["train/0", "train/1", "train/2"]
     assert splits["test"][0]["prompt"] == "3*2=" and splits["test"][0]["prompt_id"] == "t0"
@@ -211,18 +266,18 @@ def test_user_task_errors(tmp_path, user_module):
             ("my_task_mod:make_dupes", "{}", ValueError, "prompt_id 'same' appears twice"),
             ("my_task_mod:make", '{"m": 1}', TypeError, "unexpected keyword argument 'm'")):
         with pytest.raises(error, match=match):
-            tasks.prompt_sources(_small(task=spec, task_args=args), str(tmp_path), TOK)
+            task_prompts.prompt_sources(_small(task=spec, task_args=args), str(tmp_path), TOK)
     c = _small(task=f"{user_module}:make")
     c.rollout.max_prompt_len = 3
     with pytest.raises(ValueError, match=r"prompt 'train/0' has 5 tokens > rollout.max_prompt"):
-        tasks.prompt_sources(c, str(tmp_path), TOK)
+        task_prompts.prompt_sources(c, str(tmp_path), TOK)
     for bad, match in (("not a spec", "is not ''"), ("a:b:c", "is not ''")):
         with pytest.raises(ValueError, match=match):
-            configs.validate(_small(task=bad), n_devices=1)
+            config_validation.validate(_small(task=bad), n_devices=1)
     for args, match in (("[1]", "must be a JSON object"), ("{oops", "must be a JSON object"),
                         ('{"n": 1}', "given for a built-in task")):
         with pytest.raises(ValueError, match=match):
-            configs.validate(_small(task_args=args), n_devices=1)
+            config_validation.validate(_small(task_args=args), n_devices=1)
 
 
 def test_example_task_in_experiments_runs_as_written():

@@ -57,11 +57,14 @@ def test_user_task_trains_two_steps_in_both_layouts(tmp_path, layout):
     assert summary["steps"] == 2
     # Every reward came from the module's function: its log holds only its own prompt ids,
     # training prompts (scored in the pool) and the 4 test prompts (held-out evaluation,
-    # twice: before and after RL).
+    # twice: before and after RL), and the tries before any work (`task_prompts.check_reward`)
+    # on u0 and t0 in every process that builds the task: the learner and its 2 workers.
     ids = calls.read_text().split()
     train_ids, test_ids = {f"u{i}" for i in range(12)}, {f"t{i}" for i in range(4)}
     assert set(ids) <= train_ids | test_ids
-    assert sum(i in test_ids for i in ids) == 2 * 4
+    processes = 1 if layout == "sync" else 1 + 2
+    assert sum(i in test_ids for i in ids) == 2 * 4 + processes
+    assert ids[:2] == ["u0", "t0"]  # the learner's tries come first
     # 2 steps x 4 prompts x 4 samples at least, plus stage 0's pass over the training prompts.
     assert sum(i in train_ids for i in ids) >= 2 * 4 * 4 + 12
     # u3's reward raises: counted, and logged with the task, the prompt id and its traceback.

@@ -13,8 +13,9 @@ On one model (`small`; `tiny` with --quick) and one set of prompts:
 3. Reward overlap: a reward of realistic cost (20 ms per response: a sandboxed verifier or a
    remote judge) scored (a) after generation, one by one; (b) after generation, in a 4-process
    pool; (c) in the pool while decoding goes on.
-4. Precision: fp32 / FP8 (and bf16) engine log-probs against the fp32 learner, without and with
-   router replay: mean and max |delta logp|, the k3 KL estimate and routing flips.
+4. Precision: fp32 / FP8 with per-channel scales / FP8 with 128x128 block scales (and bf16)
+   engine log-probs against the fp32 learner, without and with router replay: mean and max
+   |delta logp|, the k3 KL estimate and routing flips.
 5. Prefill batching: one prompt per prefill call (`prefill_rows=1`) against 16, on many short
    requests (RL on short problems: the per-call cost of prefill is then a large share).
 """
@@ -255,7 +256,7 @@ def run(quick: bool) -> dict:
     config = get_preset(preset)
     params = jax.device_get(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))
     slots, cache = (8, 64) if quick else (16, 128)
-    precisions = ("fp32", "fp8") if quick else ("fp32", "fp8", "bf16")
+    precisions = ("fp32", "fp8", "fp8_block") + (() if quick else ("bf16",))
     new = 16 if quick else 96
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=new)
     engines = {

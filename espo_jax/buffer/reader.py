@@ -26,6 +26,7 @@ import copy
 import logging
 import numbers
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ class BufferReader:
       stats: counters: groups_read, stale_dropped (and their response tokens,
         stale_dropped_tokens), corrupt_records, shards_done, missing_shards, shards_deleted.
       errors: the most recent 1000 problems as dicts (file, index, reason); each is also logged.
+      on_stale: called with each group dropped as stale (the learner logs their lengths).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class BufferReader:
         max_staleness: int | None = None,
         retention: str = "keep",
         poll_interval_s: float = 0.5,
+        on_stale: Callable[[RolloutGroup], None] | None = None,
     ):
         if retention not in RETENTIONS:
             raise ValueError(f"retention must be one of {RETENTIONS}, got {retention!r}")
@@ -65,6 +68,7 @@ class BufferReader:
         self.max_staleness = max_staleness
         self.retention = retention
         self.poll_interval_s = poll_interval_s
+        self.on_stale = on_stale
         self._streams = _parse_cursor(cursor)
         self._listing: dict[str, dict[int, ShardInfo]] = {}
         self._open: OpenShard | None = None
@@ -192,6 +196,8 @@ class BufferReader:
                 if self._is_stale(group, policy_version):
                     self.stats["stale_dropped"] += 1
                     self.stats["stale_dropped_tokens"] += int(np.sum(group.response_lengths))
+                    if self.on_stale is not None:
+                        self.on_stale(group)
                     continue
                 out.append(group)
                 wanted -= 1

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 
 import numpy as np
 import tensorflow_datasets as tfds
 
+from espo_jax.data.jsonl import json_objects
 from espo_jax.data.tfds_offline import OfflineBuilder
 from espo_jax.rewards.verifiers import last_boxed
 
@@ -82,28 +82,21 @@ def _level(value) -> int:
 def read_jsonl(path: str, split: str) -> list[dict]:
     """Parsed and normalised examples of one file, in file order."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"math_jsonl: {path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            question = next((record[k] for k in _QUESTION_KEYS if k in record), None)
-            if not isinstance(question, str) or not question.strip():
-                raise ValueError(f"{where}: no question (looked for keys {_QUESTION_KEYS})")
-            answer = extract_final_answer(record)
-            if not answer:
-                raise ValueError(f"{where}: no final answer (GSM8K '#### x' in 'answer', an "
-                                 "'answer' field, or \\boxed{x} in 'solution')")
-            solution = record.get("solution", record.get("answer", ""))
-            out.append(dict(
-                prompt_id=str(record.get("id", record.get("unique_id", f"{split}/{line_no}"))),
-                question=question, answer=answer, solution=str(solution),
-                level=_level(record.get("level")),
-                subject=str(record.get("type", record.get("subject", "")))))
+    for line_no, record in json_objects(path, prefix="math_jsonl: "):
+        where = f"math_jsonl: {path}:{line_no}"
+        question = next((record[k] for k in _QUESTION_KEYS if k in record), None)
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"{where}: no question (looked for keys {_QUESTION_KEYS})")
+        answer = extract_final_answer(record)
+        if not answer:
+            raise ValueError(f"{where}: no final answer (GSM8K '#### x' in 'answer', an "
+                             "'answer' field, or \\boxed{x} in 'solution')")
+        solution = record.get("solution", record.get("answer", ""))
+        out.append(dict(
+            prompt_id=str(record.get("id", record.get("unique_id", f"{split}/{line_no}"))),
+            question=question, answer=answer, solution=str(solution),
+            level=_level(record.get("level")),
+            subject=str(record.get("type", record.get("subject", "")))))
     ids = [ex["prompt_id"] for ex in out]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)

@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 
+from espo_jax import extras
 from espo_jax.models import hf_io
 
 
@@ -30,6 +31,7 @@ def convert(gguf_path: str, out_dir: str) -> str:
     """Writes the model and tokenizer of `gguf_path` to `out_dir` (config.json,
     model.safetensors, tokenizer.json, tokenizer_config.json, chat template) and returns it.
     An architecture `hf_io` cannot read is an error before any tensor is dequantised."""
+    extras.require("gguf")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -51,18 +53,29 @@ def convert(gguf_path: str, out_dir: str) -> str:
     return out_dir
 
 
+def cache_path(gguf_path: str, cache_dir: str | None = None) -> str:
+    """Where `cached_convert` puts the converted copy of `gguf_path` (the file must exist)."""
+    stat = os.stat(gguf_path)
+    key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}"
+                       .encode()).hexdigest()[:12]
+    root = cache_dir or os.path.expanduser("~/.cache/espo_jax/gguf")
+    return os.path.join(root, f"{os.path.basename(gguf_path)[:-len('.gguf')]}-{key}")
+
+
+def is_converted(gguf_path: str, cache_dir: str | None = None) -> bool:
+    """Whether the cache holds `gguf_path` converted (reading it needs no GGUF packages)."""
+    return os.path.exists(os.path.join(cache_path(gguf_path, cache_dir), "config.json"))
+
+
 def cached_convert(gguf_path: str, cache_dir: str | None = None) -> str:
     """`convert` into `cache_dir` (default ~/.cache/espo_jax/gguf) once per file (keyed by its
     path, size and modification time); later calls, and other processes, read the cached
     directory. The conversion writes a temporary directory renamed into place, so processes
     converting at the same time never see half a directory."""
-    stat = os.stat(gguf_path)
-    key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}"
-                       .encode()).hexdigest()[:12]
-    root = cache_dir or os.path.expanduser("~/.cache/espo_jax/gguf")
-    out = os.path.join(root, f"{os.path.basename(gguf_path)[:-len('.gguf')]}-{key}")
-    if os.path.exists(os.path.join(out, "config.json")):
+    out = cache_path(gguf_path, cache_dir)
+    if is_converted(gguf_path, cache_dir):
         return out
+    root = os.path.dirname(out)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=root)
     try:

@@ -15,6 +15,8 @@ Conventions crossed here:
   (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]) is also read.
 - Tensors are read one at a time (`safe_open`), so a checkpoint never needs twice its size in
   host memory; pass `shardings` to place each parameter on devices as soon as it is built.
+- Block-FP8 checkpoints (DeepSeek-V3's `quantization_config`, `weight_scale_inv` tensors) are
+  read dequantised, each E4M3 value times its block's scale (`espo_jax.models.hf_fp8`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from espo_jax.models import hf_deepseek
+from espo_jax.models import hf_deepseek, hf_fp8
 from espo_jax.models.config import ModelConfig
 
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -262,9 +264,10 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
 
 # ---- reading -------------------------------------------------------------------------------------
 class _TensorReader:
-    """Tensors of a checkpoint directory by name, one at a time, opening shards lazily."""
+    """Tensors of a checkpoint directory by name, one at a time, opening shards lazily; a
+    block-FP8 weight comes dequantised (float32) with `fp8_block` (rows, cols) blocks."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fp8_block: tuple[int, int] | None = None):
         index = os.path.join(path, INDEX_FILE)
         if os.path.exists(index):
             with open(index) as f:
@@ -275,19 +278,37 @@ class _TensorReader:
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
         self.path, self.weight_map, self.used = path, weight_map, set()
+        self.fp8_block = fp8_block
         self._files: dict[str, Any] = {}
+        self._headers: dict[str, dict] = {}  # safetensors headers, for E4M3 tensors
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from its file's header (no data read)."""
+        with safe_open(os.path.join(self.path, self.weight_map[name]), framework="numpy") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def get(self, name: str) -> np.ndarray:
+        value, scale = self._read(name), hf_fp8.scale_name(name)
+        if value.dtype == hf_fp8.E4M3 or scale in self.weight_map:
+            scale_inv = self._read(scale) if scale in self.weight_map else None
+            value = hf_fp8.dequantize(name, value, scale_inv, self.fp8_block)
+        return value
+
+    def _read(self, name: str) -> np.ndarray:
         if name not in self.weight_map:
             raise KeyError(name)
         file = self.weight_map[name]
         if file not in self._files:
             self._files[file] = safe_open(os.path.join(self.path, file), framework="numpy")
         self.used.add(name)
-        return self._files[file].get_tensor(name)
+        if self._files[file].get_slice(name).get_dtype() != hf_fp8.SAFETENSORS_E4M3:
+            return self._files[file].get_tensor(name)
+        if file not in self._headers:
+            self._headers[file] = hf_fp8.read_header(os.path.join(self.path, file))
+        return hf_fp8.read_e4m3(os.path.join(self.path, file), name, self._headers[file])
 
 
 def _fused_getter(reader: _TensorReader, config: ModelConfig) -> Getter:
@@ -322,6 +343,7 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
     """Reads a Hugging Face directory (one of `ARCHITECTURES`) into `(config, params)`.
 
     dtype: parameter dtype ("float32", "bfloat16", "float16"); default: config.json's `dtype`.
+      Block-FP8 weights are dequantised exactly in float32, then cast to it.
     shardings: optional pytree of `jax.sharding.Sharding` shaped like params; each parameter is
       placed with `jax.device_put` as soon as it is built (no full host copy of the model).
       Without it the leaves are host numpy arrays (jit accepts them).
@@ -334,7 +356,12 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
         hf = json.load(f)
     config = config_from_hf(hf, dtype=dtype)
     np_dtype = _NP_DTYPES[config.param_dtype]
-    reader = _TensorReader(path)
+    reader = _TensorReader(path, hf_fp8.block_size(hf))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # before any tensor is read
+        rows = reader.shape(name)[0] if name in reader else config.vocab_size
+        if rows != config.vocab_size:
+            raise ValueError(f"checkpoint {path}: {name} has {rows} vocabulary rows but "
+                             f"config.json's vocab_size is {config.vocab_size}")
     get = _fused_getter(reader, config)
     params: dict = {}
     expected = _expected_shapes(config)

@@ -1,10 +1,13 @@
-"""FP8 (float8_e4m3fn) weight quantisation with per-output-channel scales.
+"""FP8 (float8_e4m3fn) weight quantisation with per-output-channel or 128x128 block scales.
 
-A quantised kernel is the pytree `{"qvalue": float8_e4m3fn [..., in, out], "scale": float32
-[..., 1, out]}` with `kernel ~= qvalue * scale`; the model reads every kernel through
-`maybe_dequant`, so a quantised parameter tree runs through the same `forward` as a float one
-(dequantised on the fly, the matmul itself in the compute dtype). This is what the rollout
-engine runs (FP8 rollouts); the learner keeps float parameters.
+A quantised kernel is the pytree `{"qvalue": float8_e4m3fn [..., in, out], "scale": float32}`
+with `kernel ~= qvalue * scale`. The scale's shape says which scheme: `[..., 1, out]` per
+output channel (`[V, 1]`, per row, for an embedding), or `[..., ceil(in/128), ceil(out/128)]`
+per 128x128 block (DeepSeek-V3's checkpoint format: blocks start at index 0, edge blocks are
+partial, leading axes such as the expert axis each get their own). The model reads every
+kernel through `maybe_dequant`, so a quantised parameter tree runs through the same `forward`
+as a float one (dequantised on the fly, the matmul itself in the compute dtype). This is what
+the rollout engine runs (FP8 rollouts); the learner keeps float parameters.
 
 Which kernels are quantised is chosen per parameter group (GROUPS); the router and the LM head
 stay in high precision by default, as in vLLM's FP8 MoE checkpoints.
@@ -20,6 +23,8 @@ import jax.numpy as jnp
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+BLOCK = 128  # block scales: one per BLOCK x BLOCK tile of the last two axes
+SCHEMES = ("channel", "block")
 GROUPS = ("attn", "experts", "mlp", "shared_expert", "router", "lm_head", "embed")
 DEFAULT_GROUPS = ("attn", "experts", "mlp", "shared_expert")
 
@@ -29,10 +34,27 @@ def is_quantized(w: Any) -> bool:
 
 
 def maybe_dequant(w: Any, dtype: Any = jnp.float32) -> jax.Array:
-    """The kernel `w` as a `dtype` array, dequantising an FP8 `{"qvalue", "scale"}` pytree."""
+    """The kernel `w` as a `dtype` array, dequantising an FP8 `{"qvalue", "scale"}` pytree:
+    every E4M3 value times its channel's or its block's float32 scale."""
     if is_quantized(w):
-        return (w["qvalue"].astype(jnp.float32) * w["scale"]).astype(dtype)
+        q = w["qvalue"]
+        return (q.astype(jnp.float32) * expand_scale(w["scale"], q.shape)).astype(dtype)
     return jnp.asarray(w).astype(dtype)
+
+
+def expand_scale(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`scale` made to broadcast against a kernel of `shape`: a per-channel scale as is; a block
+    axis (ceil(n/BLOCK) entries for n > 1) repeated BLOCK times and cut to n. (A block axis of
+    one entry broadcasts as it is: one block covers the whole axis.)"""
+    for axis in (-2, -1):
+        n, s = shape[axis], scale.shape[axis]
+        if s in (1, n):
+            continue
+        if s != -(-n // BLOCK):
+            raise ValueError(f"scale shape {scale.shape} fits neither channel nor {BLOCK}x{BLOCK} "
+                             f"block scales of a kernel of shape {tuple(shape)}")
+        scale = jax.lax.slice_in_dim(jnp.repeat(scale, BLOCK, axis=axis), 0, n, axis=axis)
+    return scale
 
 
 def quantize_kernel(w_IxO: jax.Array) -> dict[str, jax.Array]:
@@ -45,6 +67,23 @@ def quantize_kernel(w_IxO: jax.Array) -> dict[str, jax.Array]:
     amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
     q = jnp.clip(w / scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    return {"qvalue": q, "scale": scale}
+
+
+def quantize_kernel_blocks(w_IxO: jax.Array) -> dict[str, jax.Array]:
+    """E4M3 values and float32 scales per BLOCK x BLOCK tile of the last two axes (as
+    DeepSeek-V3's checkpoints: scale = amax(tile) / 448; edge tiles partial; all-zero tiles
+    get scale 1). An outlier then coarsens only its own tile, not its whole channel."""
+    w = jnp.asarray(w_IxO, jnp.float32)
+    if w.ndim < 2:
+        raise ValueError(f"quantize_kernel_blocks expects a [..., in, out] kernel, got shape "
+                         f"{w.shape}")
+    (r, c), lead = w.shape[-2:], w.shape[:-2]
+    nr, nc = -(-r // BLOCK), -(-c // BLOCK)
+    padded = jnp.pad(jnp.abs(w), [(0, 0)] * len(lead) + [(0, nr * BLOCK - r), (0, nc * BLOCK - c)])
+    amax = jnp.max(padded.reshape(*lead, nr, BLOCK, nc, BLOCK), axis=(-3, -1))
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = jnp.clip(w / expand_scale(scale, w.shape), -FP8_MAX, FP8_MAX).astype(FP8)
     return {"qvalue": q, "scale": scale}
 
 
@@ -73,9 +112,11 @@ def _group_of(path: tuple[str, ...]) -> str | None:
 
 
 def quantize_params(
-    params: dict, config: Any = None, groups: Iterable[str] = DEFAULT_GROUPS
+    params: dict, config: Any = None, groups: Iterable[str] = DEFAULT_GROUPS,
+    scheme: str = "channel",
 ) -> dict:
-    """A copy of `params` whose kernels in `groups` are FP8 `{"qvalue", "scale"}` pytrees.
+    """A copy of `params` whose kernels in `groups` are FP8 `{"qvalue", "scale"}` pytrees, with
+    per-output-channel scales (`scheme="channel"`) or BLOCK x BLOCK block scales ("block").
 
     `config` is accepted for symmetry with the other entry points and checked against the tree
     (tied embeddings cannot quantise "lm_head" separately from "embed")."""
@@ -83,6 +124,8 @@ def quantize_params(
     bad = [g for g in groups if g not in GROUPS]
     if bad:
         raise ValueError(f"unknown quantisation groups {bad}; valid groups: {GROUPS}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantisation scheme {scheme!r}; valid schemes: {SCHEMES}")
     if config is not None and config.tie_embeddings and "lm_head" in groups:
         raise ValueError("tie_embeddings: the LM head is the embedding; quantise group 'embed'")
 
@@ -93,7 +136,9 @@ def quantize_params(
             if isinstance(value, dict) and not is_quantized(value):
                 out[name] = visit(value, p)
             elif _group_of(p) in groups and not is_quantized(value):
-                if name == "embedding":  # [V, D]: a row per token; scale per row (transpose).
+                if scheme == "block":  # tiles are the same whichever axis is "out"
+                    out[name] = quantize_kernel_blocks(value)
+                elif name == "embedding":  # [V, D]: a row per token; scale per row (transpose).
                     q = quantize_kernel(jnp.asarray(value).T)
                     out[name] = {"qvalue": q["qvalue"].T, "scale": q["scale"].T}
                 else:

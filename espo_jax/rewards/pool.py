@@ -17,7 +17,8 @@ one timeout, not a worker. Processes also score in parallel (no GIL), which is w
 for. Workers start with "forkserver" (not "fork": the parent runs JAX threads, and forking a
 threaded process is unsafe). "thread": same protocol with threads; a timed-out thread is
 abandoned (it keeps running, and a CPU-bound one keeps taking CPU, until its function returns)
-and replaced. Use it for reward functions that cannot be pickled. Measured overhead per response
+and replaced. Use it for reward functions that cannot be pickled (a run selects it with
+`config.rollout.reward_backend="thread"`). Measured overhead per response
 with a trivial reward and one worker (2000 responses, shared 2-core machine): process 0.26 ms,
 thread 0.22 ms (both use the same pipe protocol); a 20 ms reward in a pool of 4 costs 5.3 ms of
 wall per response (`python -m espo_jax.bench engine`).
@@ -229,11 +230,6 @@ class RewardPool:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"RewardPool: group {group_id!r} not scored in {timeout} s")
                 self._lock.wait(timeout=left)
-
-    def group_done(self, group_id: Hashable, n: int) -> bool:
-        with self._lock:
-            done = self._results.get(group_id, {})
-            return all(i in done for i in range(n))
 
     def metrics(self) -> dict[str, float]:
         """Counters: reward/{submitted,scored,failed,timeouts,errors,worker_restarts}."""

@@ -305,7 +305,8 @@ def policy_loss(
     `entropy` (old policy, constant) is needed by ESPO; `behaviour_logp` (the sampler's
     log-probs) by TIS; `ref_logp` by `kl_coef > 0`. Config values are static: wrap with
     `functools.partial(policy_loss, config=cfg)` before `jax.jit`. The names it branches on are
-    checked here; ranges and keys by `loss_config.validate_loss_config` (`configs.validate`).
+    checked here; ranges and keys by `loss_config.validate_loss_config`
+    (`config_validation.validate`).
     """
     for key, allowed in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("tis", TIS_MODES),
                          ("espo_token_ratio", ESPO_TOKEN_RATIOS)):

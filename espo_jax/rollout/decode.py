@@ -27,7 +27,8 @@ from espo_jax.models import quant
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout.sampling import sample
 
-PRECISIONS = ("fp32", "bf16", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8_block")
+FP8_SCHEMES = {"fp8": "channel", "fp8_block": "block"}  # precision -> `quant` scale scheme
 FREE, ACTIVE, DONE = 0, 1, 2  # slot phases
 
 
@@ -91,8 +92,8 @@ def engine_params(params: dict, config: ModelConfig, precision: str) -> tuple[di
     params = jax.tree.map(
         lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
     )
-    if precision == "fp8":
-        params = quant.quantize_params(params, cfg)
+    if precision in FP8_SCHEMES:
+        params = quant.quantize_params(params, cfg, scheme=FP8_SCHEMES[precision])
     return params, cfg
 
 

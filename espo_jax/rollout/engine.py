@@ -24,10 +24,11 @@ Determinism: sample g of request i draws its t-th token with key fold_in(fold_in
 seed_i), g), t), seed_i = `Request.seed` or i. Nothing depends on which slot ran it or when, so
 FIFO and length-aware admission give the same groups, returned in request order.
 
-Precision: "fp32", "bf16" (compute and weights), or "fp8" (E4M3 weights with per-channel scales
-from `espo_jax.models.quant`; router and LM head stay fp32). FP8 weights are dequantised once per
-`load_params` (the values every forward would compute; `fp8_storage=True` keeps them as E4M3 and
-dequantises in every forward instead, a quarter of the weight memory). MoE dispatch
+Precision: "fp32", "bf16" (compute and weights), "fp8" (E4M3 weights with per-channel scales
+from `espo_jax.models.quant`) or "fp8_block" (E4M3 with 128x128 block scales, as DeepSeek-V3's
+checkpoints); with either FP8 the router and LM head stay fp32. FP8 weights are dequantised
+once per `load_params` (the values every forward would compute; `fp8_storage=True` keeps them
+as E4M3 and dequantises in every forward instead, a quarter of the weight memory). MoE dispatch
 is always exact (a "capacity" config is switched to "dropless_loop": dropping tokens would make a
 sample depend on its batch neighbours). The jit-compiled pieces are in
 `espo_jax.rollout.decode`, the continuous-batching driver in `espo_jax.rollout.batching`; this
@@ -56,6 +57,7 @@ from espo_jax.rollout.batching import (  # noqa: F401  (re-exported)
 )
 from espo_jax.rollout.decode import (  # noqa: F401  (re-exported: the engine's public types)
     DONE,
+    FP8_SCHEMES,
     PRECISIONS,
     DecodeState,
     Prefix,
@@ -155,7 +157,7 @@ class Engine:
         (jit keys on committedness: an uncommitted first load cost a recompile of prefill,
         insert and decode at the second)."""
         converted = engine_params(params, self.config, self.precision)[0]
-        if self.precision == "fp8" and not self.fp8_storage:
+        if self.precision in FP8_SCHEMES and not self.fp8_storage:
             # E4M3 values times their scales, computed once here instead of in every forward:
             # the matmuls see the same numbers (samples bitwise equal), decoding is ~11% faster
             # on the CPU, and the fp8 and fp32 engines share compiled code.

@@ -44,7 +44,8 @@ def generate_scored_groups(
     `engine` is any `espo_jax.rollout.sampler.Sampler` (an `Engine` is one); `meta` goes into
     every group's meta (the worker puts its writer id there). A response whose reward failed
     is logged with `task`, the prompt id and the pool's error (with the reward's traceback),
-    once per group, and counted in the group's meta (`reward_failed`).
+    once per group, and listed in the group's meta (`reward_failed`: the responses' indices; MS-ZVE
+    reads their outcomes as missing, not wrong, `espo_jax.zve.groups.reward_failed`).
     """
     requests = [
         Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"]), n_samples=n)
@@ -81,7 +82,7 @@ def generate_scored_groups(
         group_meta = {"answer": str(prompt.get("answer", "")),
                       "level": int(prompt.get("level", 0)), **(meta or {})}
         if failed:
-            group_meta["reward_failed"] = len(failed)
+            group_meta["reward_failed"] = [res.response_idx for res in failed]
             logging.warning("task %r: reward failed on %d of %d responses of prompt %r; first "
                             "(response %d): %s", task, len(failed), len(results),
                             group.prompt_id, failed[0].response_idx, failed[0].error)

@@ -64,11 +64,11 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # JAX only reads prompts here: the GPUs are vLLM's
-    from espo_jax import configs, run_setup
+    from espo_jax import config_validation, run_setup
     from espo_jax.rollout import worker
 
     m = config.mesh  # the learner's mesh: nothing of it runs here
-    configs.validate(config, n_devices=m.data * m.fsdp * m.expert * m.tensor)
+    config_validation.validate(config, n_devices=m.data * m.fsdp * m.expert * m.tensor)
     tokenizer = run_setup.load_run_tokenizer(config)
     wc = worker_config(config, (tokenizer.eos_id,), seed=config.seed * 1000 + index)
     require_vllm()  # fail fast: before preparing data and waiting for weights

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     """`python -m espo_jax.rollout.worker`: the flags of `espo_jax.rollout.worker_flags`."""
     from absl import app
 
-    from espo_jax import configs
+    from espo_jax import config_validation
     from espo_jax.rollout import worker_flags
 
     if len(argv) > 1:
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     jax.config.update("jax_compilation_cache_dir",  # the main job's cache (espo_jax.main)
                       os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    configs.validate(config, n_devices=jax.device_count())
+    config_validation.validate(config, n_devices=jax.device_count())
     os.makedirs(workdir, exist_ok=True)
     return main_from_config(config, workdir, **worker_flags.worker_args())
 
@@ -87,6 +87,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
         max_cache_len=r.max_prompt_len + r.max_new_tokens,
         reward_workers=r.reward_workers,
         reward_timeout_s=r.reward_timeout_s,
+        reward_backend=r.reward_backend,
         seed=config.seed * 1000 + index,
         max_batches=max_batches,
         until_version=until_version,

@@ -12,7 +12,9 @@ MS-ZVE is split as the data flows: stages 0 (offline pruning), 1 (adaptive sampl
 (`espo_jax.buffer.flow`): a worker samples a batch only while fewer than `train.max_staleness +
 rollout.max_inflight_batches - 1` of its batches are unread, so groups are seldom too old; those
 that are (`policy_version` more than `train.max_staleness` behind) are dropped by the reader and
-their tokens counted.
+their tokens counted (`async/stale_dropped`, `async/stale_token_frac`); their responses count
+as generated in the step's `lengths/generated_mean` and `_p90`, against `lengths/trained_...`
+(`zve.metrics.length_metrics`), so a tilt toward short responses from dropping shows.
 
 Workers: with `train.num_workers` > 0 the learner spawns them (they stop when it does or dies)
 and restarts one that dies, up to `train.worker_restarts` times; with 0 they are started
@@ -45,6 +47,7 @@ from espo_jax.zve import (
     ScoredGroup,
     failed_reward_fraction,
     groups_and_rewards,
+    length_metrics,
     require_scored,
     score_groups,
     step_metrics,
@@ -241,9 +244,11 @@ class AsyncRun(Run):
         found = weights.latest(self.publish_dir)
         if found is None or found[0] < step:
             self._publish(step, state.params)
+        stale_lengths: list[int] = []  # of this step's groups dropped as stale
         reader = BufferReader(self.buffer_dir, cursor=meta["cursor"],
                               max_staleness=c.train.max_staleness,
-                              retention="keep" if c.buffer.keep_consumed else "delete")
+                              retention="keep" if c.buffer.keep_consumed else "delete",
+                              on_stale=lambda g: stale_lengths.extend(g.response_lengths.tolist()))
         if distributed.is_primary():
             os.makedirs(self.status_dir, exist_ok=True)
             flow.write_progress(self.publish_dir, step, reader.cursor)
@@ -255,6 +260,7 @@ class AsyncRun(Run):
             while not self.finished(step, meta):
                 t_step = time.time()
                 self._read_this_step = []
+                stale_lengths.clear()
                 result = online.collect(c.rollout.prompts_per_step,
                                         lambda n, v=step: self._groups(reader, n, v))
                 self._log_consumed(step + 1, self._read_this_step)
@@ -262,6 +268,7 @@ class AsyncRun(Run):
                                         zvp_enabled=c.zve.zvp.enabled,
                                         zvp_wrong=c.zve.zvp.wrong_groups)
                 zmetrics.update(online.metrics(result))
+                zmetrics.update(length_metrics(result.generated, result.batch, stale_lengths))
                 groups, rewards = groups_and_rewards(result.batch)
                 lags = [step - g.policy_version for g in groups]
                 t_update = time.time()

@@ -26,6 +26,7 @@ from espo_jax.rollout import scheduling
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.generate import generate_scored_groups
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.train import checkpoint
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.evaluate import evaluate
@@ -79,6 +80,10 @@ class Run:
     def __init__(self, config, workdir: str):
         self.t0 = time.time()
         self.config, self.workdir = config, workdir
+        # Before any work: the checkpoint `_start` restores, and whether it fits the model.
+        self.start_point = checkpoint.start_point(workdir, config.checkpoint.init_from)
+        if self.start_point:
+            checkpoint.check_params(*self.start_point, run_setup.abstract_params(config))
         self.setup = run_setup.build(config, workdir)
         self.logger = MetricLogger(workdir)
         self.buffer_dir = config.buffer.dir or os.path.join(workdir, "buffer")
@@ -127,8 +132,8 @@ class Run:
         meta = {"rl_step": 0, "generated_tokens": 0, "wasted_tokens": 0, "offline_tokens": 0,
                 "mismatch_sum": 0.0, "mismatch_n": 0, "cursor": None, "zve": None,
                 "predictor": None, "warmstart": {}}
-        if c.checkpoint.init_from:
-            state, _ = Checkpointer(c.checkpoint.init_from, async_save=False).restore(state)
+        if c.checkpoint.init_from:  # WORKDIR has none: start_point resolved init_from
+            state, _ = Checkpointer(self.start_point[0], async_save=False).restore(state)
             state = self._new_state(state.params)
         elif c.warmstart.steps > 0:
             # Warm-start progress is measured on samples of its own (train) levels.
@@ -256,7 +261,7 @@ class SyncRun(Run):
         reward, self.target_fn = tasks.reward_fn(self.setup.task)
         self.pool = RewardPool(reward, num_workers=config.rollout.reward_workers,
                                timeout_s=config.rollout.reward_timeout_s,
-                               detokenize=self.decode)
+                               backend=config.rollout.reward_backend, detokenize=self.decode)
 
     def run(self) -> dict:
         c, s = self.config, self.setup

@@ -102,11 +102,15 @@ def old_policy_metrics(logp, ent, out, batch: RLBatch):
     own = None
     if out.own_experts is not None and out.router_logits:
         own = out.own_experts
-    routing = {}
+    routing, flipped = {}, None
     if own is not None and batch.routed_experts is not None:
-        routing = dict(own_BxTxMxk=own, recorded_BxTxMxk=batch.routed_experts,
-                       position_weights_BxT=batch.token_weights)
-    metrics = mismatch.mismatch_metrics(logp, batch.behaviour_logp, batch.loss_mask, **routing)
+        # Routing lives on the model's rows; `logp` on one row per sequence when packed.
+        routing, flipped = mismatch.routing_metrics(own, batch.routed_experts,
+                                                    batch.token_weights)
+        if batch.unpack is not None:
+            flipped = unpack_rows(flipped, batch.unpack)
+    metrics = {**mismatch.logp_metrics(logp, batch.behaviour_logp, batch.loss_mask, flipped),
+               **routing}
     metrics["entropy/mean"] = _masked_mean(ent, batch.loss_mask)
     return metrics, own
 

@@ -23,13 +23,18 @@ Around the stages:
   scheduler.py  `PromptScheduler`: each prompt's history and the epochs drawn from it
                 (stages 0, 1, 5 decide from it); `status.py`: its prompt states
   groups.py     `ScoredGroup` (a `RolloutGroup` and its rewards), `binary_outcomes`,
-                `require_scored` (`UnscoredGroupError`), `failed_reward_fraction`
-  metrics.py    `step_metrics`: the per-step `zve/...` scalars
+                `require_scored` (`UnscoredGroupError`), `failed_reward_fraction`,
+                `reward_failed`, `known_outcomes`
+  metrics.py    `step_metrics`: the per-step `zve/...` scalars; `length_metrics`: the
+                `lengths/...` ones (generated against trained)
   pipeline.py   `ZVEPipeline`: all of it around a caller's `rollout(plan)` callback
 
 MS-ZVE reads `espo_jax.buffer.RolloutGroup`s and never writes to them; rewards travel beside
 each group (`ScoredGroup`) into `Learner.update(state, groups, rewards)`. Stage decisions use
-binary outcomes only. The zero-variance predicate and RL-ZVP's signs are defined once, in
+binary outcomes only, and of those the known ones: a response whose reward call failed or
+timed out is missing, not wrong, in the pass-rate history (stages 0, 1, 5) and the
+zero-variance predicate (stage 4, metrics); `zve.groups` says what a group with no known
+outcome is. The zero-variance predicate and RL-ZVP's signs are defined once, in
 `espo_jax.rl.advantages` (`zero_variance`, `zvp_signs`; re-exported by `zvp.py`).
 
 Importing this package does not import JAX (rollout workers read the config); `zvp.py`, and
@@ -45,9 +50,11 @@ from espo_jax.zve.groups import (
     binary_outcomes,
     failed_reward_fraction,
     groups_and_rewards,
+    known_outcomes,
     require_scored,
+    reward_failed,
 )
-from espo_jax.zve.metrics import step_metrics
+from espo_jax.zve.metrics import length_metrics, step_metrics
 from espo_jax.zve.offline import offline_pass, offline_undecided
 from espo_jax.zve.online_filter import CollectResult, OnlineFilter, filter_groups
 from espo_jax.zve.pipeline import Rollout, ZVEPipeline
@@ -84,9 +91,12 @@ __all__ = [
     "filter_groups",
     "group_rewards",
     "groups_and_rewards",
+    "known_outcomes",
+    "length_metrics",
     "offline_pass",
     "offline_undecided",
     "require_scored",
+    "reward_failed",
     "rl_zvp",
     "score_groups",
     "step_metrics",

@@ -7,7 +7,17 @@ group and its float32 rewards side by side, through the online filter (stage 4),
 and into the learner (`Learner.update(state, groups, rewards)`, see `groups_and_rewards`).
 
 Stage decisions read binary outcomes only (`binary_outcomes` checks them), never a shaped
-reward. The learner trains on scored groups only (`require_scored`, `UnscoredGroupError`);
+reward. The learner trains on scored groups only (`require_scored`, `UnscoredGroupError`).
+
+A reward call that failed or timed out (`espo_jax.rewards.pool`: outcome False, reward
+`failed_reward`) leaves the response's outcome *missing*, not wrong: the rollout side lists
+such responses in `meta["reward_failed"]` (their indices, `rollout.generate`), `reward_failed`
+reads that as a mask, and `known_outcomes` gives the outcomes MS-ZVE decides from: the pass-rate
+history of stages 0, 1 and 5 and the zero-variance predicate of stage 4 and the metrics count
+the known outcomes only. A group is zero-variance when its known outcomes all agree
+([right, right, timeout] is all right); a group with no known outcome gives no evidence: it
+changes no history and is neither all right nor all wrong (stage 4 does not keep it, as it
+keeps no group without contrast; `zve/missing_outcome_groups` counts it).
 `failed_reward_fraction` is the share of a batch's responses whose reward call failed. This
 module imports neither JAX nor the buffer's I/O.
 """
@@ -96,12 +106,36 @@ def require_scored(groups: Iterable[RolloutGroup | ScoredGroup]) -> None:
                                      str(group.meta.get("worker", "?")), unscored)
 
 
+def reward_failed(group: RolloutGroup | ScoredGroup) -> np.ndarray:
+    """bool `[G]`: True where the response's reward call failed or timed out, from the indices
+    the rollout side lists in `meta["reward_failed"]` (none listed: all False)."""
+    g = _rollout_group(group)
+    listed = g.meta.get("reward_failed", [])
+    valid = isinstance(listed, list | tuple) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < g.num_responses
+        for i in listed)
+    if not valid or len(set(listed)) != len(listed):
+        raise ValueError(f"group {g.prompt_id!r}: meta['reward_failed'] must list distinct "
+                         f"response indices in [0, {g.num_responses}) (the responses whose "
+                         f"reward call failed), got {listed!r}")
+    mask = np.zeros(g.num_responses, bool)
+    mask[list(listed)] = True
+    return mask
+
+
+def known_outcomes(group: RolloutGroup | ScoredGroup) -> np.ndarray:
+    """int64 `[k]` binary outcomes of the responses whose reward call succeeded, in response
+    order (k = G less the failed ones; 0 when every reward call failed)."""
+    g = _rollout_group(group)
+    return binary_outcomes(g.outcomes, str(g.prompt_id))[~reward_failed(g)]
+
+
 def failed_reward_fraction(groups: Sequence[RolloutGroup | ScoredGroup]) -> float:
-    """The share of the groups' responses whose reward call failed or timed out (the rollout
-    side counts them in `meta["reward_failed"]`); 0.0 for no responses."""
+    """The share of the groups' responses whose reward call failed or timed out
+    (`reward_failed`); 0.0 for no responses."""
     groups = [_rollout_group(g) for g in groups]
     responses = sum(g.num_responses for g in groups)
-    failed = sum(int(g.meta.get("reward_failed", 0)) for g in groups)
+    failed = sum(int(reward_failed(g).sum()) for g in groups)
     return failed / responses if responses else 0.0
 
 

@@ -19,9 +19,13 @@ it), so `OnlineFilter.for_zve` builds the filter with `keep_zero_variance=True` 
 stage passes every group through: it only acts for losses that get nothing from a
 zero-variance group.
 
-A group is anything with `outcomes` (binary, one per response): a `ScoredGroup` in MS-ZVE (its
-rewards are read by `zve.metrics`), or a `RolloutGroup`. Filtering reads the outcomes only,
-never a shaped reward; "all equal" is `espo_jax.rl.advantages.zero_variance`.
+A group is a `ScoredGroup` in MS-ZVE (its rewards are read by `zve.metrics`), or a
+`RolloutGroup`. Filtering reads the known binary outcomes only (`zve.groups.known_outcomes`: a
+response whose reward call failed or timed out is missing, not wrong), never a shaped reward;
+"all equal" is `espo_jax.rl.advantages.zero_variance` over the known outcomes, so [right,
+right, timeout] is an all-right zero-variance group. A group with no known outcome has no
+contrast and is neither all right nor all wrong: the filter does not keep it (with stage 3 on
+and `zvp.wrong_groups`, when the stage passes every group, it goes through like any other).
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from espo_jax.zve.groups import binary_outcomes
+from espo_jax.zve.groups import binary_outcomes, known_outcomes
 
-Group = Any  # has `outcomes`: a `ScoredGroup` (MS-ZVE) or a `RolloutGroup`
+Group = Any  # a `ScoredGroup` (MS-ZVE) or a `RolloutGroup`
 
 
 def filter_groups(groups_outcomes: Iterable[Iterable]) -> np.ndarray:
-    """Bool keep mask: True where a group's binary outcomes are not all equal.
+    """Bool keep mask: True where a group's (known) binary outcomes are not all equal; False
+    for a group with none (every reward call failed: no contrast).
 
     Groups may differ in size (stage 1 gives prompts different sample counts).
     """
@@ -49,8 +54,9 @@ def filter_groups(groups_outcomes: Iterable[Iterable]) -> np.ndarray:
 
     keep = []
     for k, outcomes in enumerate(groups_outcomes):
-        o = binary_outcomes(outcomes, f"group {k}")
-        keep.append(not bool(zero_variance(o[None])[0]))
+        values = list(outcomes)
+        o = binary_outcomes(values, f"group {k}") if values else None
+        keep.append(o is not None and not bool(zero_variance(o[None])[0]))
     return np.asarray(keep, dtype=bool)
 
 
@@ -116,9 +122,10 @@ class OnlineFilter:
             groups = list(generate(self._request(target - len(kept))))
             rounds += 1
             generated += groups
-            mask = filter_groups(g.outcomes for g in groups)
+            known = [known_outcomes(g) for g in groups]
+            mask = filter_groups(known)
             if self.keep_zero_variance:  # RL-ZVP's all-correct groups carry signal
-                mask |= np.array([bool(np.all(np.asarray(g.outcomes) > 0)) for g in groups],
+                mask |= np.array([o.size > 0 and bool(np.all(o > 0)) for o in known],
                                  dtype=bool)
             kept += [g for g, k in zip(groups, mask, strict=True) if k]
             if groups:

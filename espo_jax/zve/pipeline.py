@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import ml_collections
 
 from espo_jax.zve.groups import ScoredGroup
-from espo_jax.zve.metrics import step_metrics
+from espo_jax.zve.metrics import length_metrics, step_metrics
 from espo_jax.zve.offline import offline_pass
 from espo_jax.zve.online_filter import OnlineFilter
 from espo_jax.zve.scheduler import PromptScheduler
@@ -68,11 +68,13 @@ class ZVEPipeline:
 
     def step(self, n_groups: int, rollout: Rollout
              ) -> tuple[list[ScoredGroup], dict[str, float]]:
-        """One step's training groups (with their rewards) and its flat `zve/...` metrics."""
+        """One step's training groups (with their rewards) and its flat `zve/...` and
+        `lengths/...` metrics (`zve.metrics`)."""
         result = self.filter.collect(n_groups, lambda n: self._generate(rollout, n))
         metrics = step_metrics(result.generated, result.batch,
                                zvp_enabled=self.config.zvp.enabled,
                                zvp_wrong=self.config.zvp.wrong_groups)
+        metrics.update(length_metrics(result.generated, result.batch))
         metrics.update(self.scheduler.pop_metrics())
         metrics.update(self.filter.metrics(result))
         return result.batch, metrics

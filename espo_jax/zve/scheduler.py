@@ -9,6 +9,9 @@ status) and draws epochs from it; the stages' rules are in their modules:
 - stage 1 (`adaptive`): samples per prompt from its pass-rate estimate; settled prompts skipped;
 - stage 5 (`retire`): retire prompts after a streak of equal outcomes, re-probe them later.
 
+The history holds known outcomes only: a response whose reward call failed or timed out is
+missing, not wrong (`zve.groups.known_outcomes`), so a timeout never makes a prompt look hard.
+
 Epochs: every active prompt once, in a permutation drawn from (seed, epoch), with the re-probes
 due that epoch mixed in. Everything is deterministic given the seed and the observations, and
 `state_dict()` (JSON-serialisable) restores a scheduler that continues identically.
@@ -25,7 +28,7 @@ import numpy as np
 
 from espo_jax.zve import adaptive, offline, retire
 from espo_jax.zve.config import validate_zve_config
-from espo_jax.zve.groups import binary_outcomes
+from espo_jax.zve.groups import binary_outcomes, reward_failed
 from espo_jax.zve.status import ACTIVE, NORMAL, PROBE, PRUNED, RETIRED
 
 if TYPE_CHECKING:
@@ -68,7 +71,7 @@ class PromptScheduler:
         self.epoch, self.cursor = -1, 0
         self.probe_credit = 0.0  # fractional re-probes carried to the next epoch
         self.order: list[tuple[int, int]] = []
-        self.totals = dict(retired=0, revived=0, reprobed=0, pruned=0, skipped_settled=0)
+        self.totals = self._empty_totals()
         self._step = self._empty_step()
 
     # -- stage 0 -------------------------------------------------------------------------------
@@ -154,10 +157,15 @@ class PromptScheduler:
 
     # -- observing -----------------------------------------------------------------------------
 
-    def observe(self, prompt_id: str, outcomes: Iterable, lengths: Iterable | None = None
-                ) -> None:
+    def observe(self, prompt_id: str, outcomes: Iterable, lengths: Iterable | None = None,
+                failed: Iterable | None = None) -> None:
         """Records one generated group's binary outcomes (stages 1 and 5).
 
+        `failed` (bool per response, default none) marks responses whose reward call failed or
+        timed out: their outcomes are missing, not wrong, and only the others count (pass-rate
+        counts, streak). A group with no known outcome leaves the history as it was (a retired
+        prompt re-probed so stays retired until its next probe). Missing outcomes add up in
+        `totals["missing_outcomes"]` (in a worker's status: `zve/missing_outcomes_total`).
         `lengths` (tokens per response) is accepted for symmetry with the group records and
         checked for size; metrics are computed by `zve.metrics.step_metrics`.
         """
@@ -166,18 +174,27 @@ class PromptScheduler:
         if lengths is not None and len(list(lengths)) != len(o):
             raise ValueError(f"observe: {prompt_id!r} has {len(o)} outcomes but "
                              f"{len(list(lengths))} lengths")
-        right = int(o.sum())
+        missing = np.zeros(len(o), bool) if failed is None else np.asarray(list(failed), bool)
+        if missing.shape != o.shape:
+            raise ValueError(f"observe: {prompt_id!r} has {len(o)} outcomes but "
+                             f"{missing.size} failed flags")
+        self.totals["missing_outcomes"] += int(missing.sum())
+        known = o[~missing]
+        if not known.size:
+            return
+        right = int(known.sum())
         self.succ[i], self.trials[i] = adaptive.observed(
-            self.succ[i], self.trials[i], right, len(o), self.config.adaptive)
+            self.succ[i], self.trials[i], right, len(known), self.config.adaptive)
         self.visits[i] += 1
-        sign = retire.outcome_sign(right, len(o))
+        sign = retire.outcome_sign(right, len(known))
         self.streak[i] = retire.next_streak(self.streak[i], sign)
         retire.after_visit(self, i, sign)
 
     def observe_groups(self, groups: Iterable[RolloutGroup]) -> None:
-        """`observe` for rollout groups (their prompt ids, outcomes and response lengths)."""
+        """`observe` for rollout groups (their prompt ids, outcomes, response lengths and
+        failed reward calls, `zve.groups.reward_failed`)."""
         for g in groups:
-            self.observe(g.prompt_id, g.outcomes, g.response_lengths)
+            self.observe(g.prompt_id, g.outcomes, g.response_lengths, reward_failed(g))
 
     # -- metrics and state ---------------------------------------------------------------------
 
@@ -185,6 +202,11 @@ class PromptScheduler:
     def _empty_step() -> dict[str, int]:
         return dict(prompts=0, samples=0, retired_new=0, reprobed=0, revived=0,
                     skipped_settled=0)
+
+    @staticmethod
+    def _empty_totals() -> dict[str, int]:
+        return dict(retired=0, revived=0, reprobed=0, pruned=0, skipped_settled=0,
+                    missing_outcomes=0)
 
     def pop_metrics(self) -> dict[str, float]:
         """Flat `zve/...` scalars since the last call (counts of this step, current sizes)."""
@@ -225,7 +247,9 @@ class PromptScheduler:
         self.succ, self.trials = list(state["succ"]), list(state["trials"])
         self.visits, self.streak = list(state["visits"]), list(state["streak"])
         self.status, self.next_probe = list(state["status"]), list(state["next_probe"])
-        self.totals, self._step = dict(state["totals"]), dict(state["step"])
+        # a state saved without the missing-outcome total starts it at 0
+        self.totals = {**self._empty_totals(), **state["totals"]}
+        self._step = dict(state["step"])
 
     @classmethod
     def from_state_dict(cls, state: Mapping, prompts: Sequence[Mapping],

@@ -85,11 +85,15 @@ def test_staleness_drops_and_counts(tmp_path):
     with BufferWriter(tmp_path, "w", max_records_per_shard=4) as w:
         for version in range(6):
             w.write(make_group(0, version, policy_version=version))
-    reader = BufferReader(tmp_path, max_staleness=2)
+    dropped = []  # the learner logs the dropped groups' response lengths (`on_stale`)
+    reader = BufferReader(tmp_path, max_staleness=2, on_stale=dropped.append)
     got = reader.read(10, timeout_s=0, policy_version=5)
     # 5 - v > 2 drops versions 0, 1, 2; keeps 3, 4, 5.
     assert [g.policy_version for g in got] == [3, 4, 5]
     assert reader.stats["stale_dropped"] == 3
+    assert [g.policy_version for g in dropped] == [0, 1, 2]
+    assert reader.stats["stale_dropped_tokens"] == sum(
+        int(g.response_lengths.sum()) for g in dropped)
     assert len(read_all(BufferReader(tmp_path, max_staleness=2))) == 6  # no version: no drop
 
 

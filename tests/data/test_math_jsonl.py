@@ -1,6 +1,7 @@
 """math_jsonl: answer extraction (GSM8K / MATH), offline preparation, clear errors."""
 
 import json
+import re
 
 import pytest
 
@@ -9,6 +10,7 @@ from espo_jax.data.math_jsonl import (
     extract_final_answer,
     last_boxed,
     math_jsonl_config,
+    read_jsonl,
 )
 from espo_jax.data.tfds_offline import prepare
 
@@ -75,3 +77,15 @@ def test_errors_name_the_problem(tmp_path):
     cfg = math_jsonl_config(train=bad)
     with pytest.raises(ValueError, match=r"bad.jsonl:3: no final answer"):
         prepare(MathJsonl, tmp_path / "data", cfg)
+
+
+def test_a_line_that_is_not_a_json_object_is_named(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(GSM8K[0]) + "\n\n[\"a\", 1]\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"math_jsonl: {path}:3: expected a JSON object, got a JSON list: '[\"a\", 1]'")):
+        read_jsonl(str(path), "train")
+    path.write_text(json.dumps(GSM8K[0]) + "\n{\"question\": \n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"math_jsonl: {path}:2: expected a JSON object, got invalid JSON")):
+        read_jsonl(str(path), "train")

@@ -34,7 +34,7 @@ SPEC = distributed.initialize()  # before any computation
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from espo_jax import configs, sharding  # noqa: E402
+from espo_jax import config_validation, configs, sharding  # noqa: E402
 from espo_jax.buffer.records import Response, RolloutGroup  # noqa: E402
 from espo_jax.models.config import get_preset  # noqa: E402
 from espo_jax.rl.loss_config import paper_loss_config  # noqa: E402
@@ -87,7 +87,7 @@ def main(workdir: str, out_prefix: str) -> None:
     times = {"import_s": time.time() - T0}
     t = time.time()
     config = make_config()
-    configs.validate(config, n_devices=jax.device_count())
+    config_validation.validate(config, n_devices=jax.device_count())
     model_config = get_preset("tiny")
     mesh = sharding.make_mesh(config.mesh)
     tx = state_lib.make_optimizer(config.optim, config.train.steps)

@@ -1,5 +1,5 @@
-"""FP8 (E4M3) weights: the per-channel error bound, which groups are quantised, and the
-measured logit difference and routing flips of the FP8 model against fp32."""
+"""FP8 (E4M3) weights: the per-channel and per-block error bounds, which groups are quantised,
+and the measured logit difference and routing flips of the FP8 model against fp32."""
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +63,65 @@ def test_quantize_error_within_e4m3_bound_per_channel():
     np.testing.assert_array_equal(err[..., 15], 0.0)  # zero channel stays exactly zero
 
 
+def _blocks(shape):
+    """Index tuples of every 128x128 tile of the last two axes (edge tiles partial)."""
+    rows, cols = shape[-2:]
+    return [np.s_[..., i:i + quant.BLOCK, j:j + quant.BLOCK]
+            for i in range(0, rows, quant.BLOCK) for j in range(0, cols, quant.BLOCK)]
+
+
+def test_quantize_blocks_error_within_e4m3_bound_per_block():
+    """As per channel (see above) with s = amax(block) / 448 per 128x128 tile: |w - deq(w)| <=
+    2^-4 |w| + 2^-10 s <= 2^-4 amax(block). Tiles of [2, 300, 200]: 3 x 2 per expert, edge
+    tiles 44 rows / 72 columns; magnitudes differ by tile, one tile is all zero."""
+    w = np.array(jax.random.normal(jax.random.key(8), (2, 300, 200)))
+    for n, tile in enumerate(_blocks(w.shape)):
+        w[tile] *= 10.0 ** (n - 4)  # 1e-4 ... 10 across the six tiles
+    w[1, 128:256, 0:128] = 0.0  # expert 1's tile (1, 0)
+    q = quant.quantize_kernel_blocks(w)
+    assert q["qvalue"].dtype == jnp.float8_e4m3fn and q["scale"].shape == (2, 3, 2)
+    deq, scale = np.asarray(quant.maybe_dequant(q)), np.asarray(q["scale"])
+    for n, tile in enumerate(_blocks(w.shape)):
+        i, j = divmod(n, 2)
+        amax = np.abs(w[tile]).max(axis=(-2, -1))  # per expert
+        s = scale[:, i, j]
+        np.testing.assert_allclose(s, np.where(amax > 0, amax / 448, 1.0), rtol=2.4e-7)  # 2 ulp
+        err = np.abs(deq[tile] - w[tile])
+        assert (err <= 2.0 ** -4 * amax[:, None, None]).all()
+        assert (err <= 2.0 ** -4 * np.abs(w[tile]) + 2.0 ** -10 * s[:, None, None]
+                * (1 + 1e-6)).all()
+    np.testing.assert_array_equal(deq[1, 128:256, 0:128], 0.0)  # the zero tile stays zero
+
+
+def test_a_block_quantises_on_its_own():
+    """A tile's E4M3 values and scale depend on that tile alone: an outlier coarsens its own
+    tile, while per-channel scales coarsen its whole column. Outlier 1e5 -> channel scale
+    1e5/448 = 223; the column's other values (|w| < 0.22) then scale below 2^-10, half the
+    smallest E4M3 subnormal, and all round to zero."""
+    w = np.array(jax.random.normal(jax.random.key(9), (300, 200))) * 1e-2
+    w[5, 7] = 1e5  # outlier in tile (0, 0), column 7
+    q = quant.quantize_kernel_blocks(w)
+    alone = quant.quantize_kernel_blocks(w[128:256, 0:128])  # tile (1, 0), same columns
+    np.testing.assert_array_equal(q["qvalue"][128:256, 0:128], alone["qvalue"])
+    np.testing.assert_array_equal(q["scale"][1, 0], alone["scale"][0, 0])
+    col = w[128:256, 7]
+    block_err = np.abs(np.asarray(quant.maybe_dequant(q))[128:256, 7] - col)
+    assert (block_err <= 2.0 ** -4 * np.abs(col) + 2.0 ** -10 * float(q["scale"][1, 0])).all()
+    assert np.abs(col).max() < 2.0 ** -10 * 1e5 / 448
+    np.testing.assert_array_equal(quant.maybe_dequant(quant.quantize_kernel(w))[128:256, 7], 0.0)
+
+
+def test_expand_scale_by_hand():
+    # a [130, 1] kernel in 128x128 tiles: rows 0..127 take scale 2, rows 128, 129 scale 3; a
+    # per-channel [1, 3] scale broadcasts as it is.
+    full = quant.expand_scale(jnp.array([[2.0], [3.0]]), (130, 1))
+    np.testing.assert_array_equal(full[:, 0], [2.0] * 128 + [3.0] * 2)
+    assert quant.expand_scale(jnp.ones((1, 3)), (130, 3)).shape == (1, 3)
+    with pytest.raises(ValueError, match=r"scale shape \(3, 1\) fits neither channel nor "
+                                         r"128x128 block scales of a kernel of shape \(130, 1\)"):
+        quant.expand_scale(jnp.ones((3, 1)), (130, 1))
+
+
 def test_groups_router_and_lm_head_stay_float(tiny_params, qparams):
     moe = qparams["layers_0"]["moe"]
     assert not quant.is_quantized(moe["router"]["kernel"])
@@ -81,13 +140,20 @@ def test_groups_router_and_lm_head_stay_float(tiny_params, qparams):
     all_q = quant.quantize_params(tiny_params, TINY, groups=quant.GROUPS)
     assert quant.is_quantized(all_q["layers_1"]["moe"]["router"]["kernel"])
     assert all_q["embed"]["embedding"]["scale"].shape == (128, 1)  # one scale per token row
+    blocks = quant.quantize_params(tiny_params, TINY, scheme="block")
+    assert blocks["layers_0"]["moe"]["wi_gate"]["scale"].shape == (8, 1, 1)  # [64, 32]: 1 tile
+    assert not quant.is_quantized(blocks["layers_0"]["moe"]["router"]["kernel"])
+    with pytest.raises(ValueError, match=r"unknown quantisation scheme 'tile'; valid schemes: "
+                                         r"\('channel', 'block'\)"):
+        quant.quantize_params(tiny_params, TINY, scheme="tile")
 
 
-def test_fp8_forward_dequantises_on_the_fly(fwd, tiny_params, tokens):
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_fp8_forward_dequantises_on_the_fly(fwd, tiny_params, tokens, scheme):
     """A tree with every group quantised (embedding, router and LM head included) through
     `forward` equals its dequantised float copy: every kernel read goes through
     `maybe_dequant`."""
-    all_q = quant.quantize_params(tiny_params, TINY, groups=quant.GROUPS)
+    all_q = quant.quantize_params(tiny_params, TINY, groups=quant.GROUPS, scheme=scheme)
     a = fwd(TINY, all_q, tokens)
     b = fwd(TINY, quant.dequantize_params(all_q), tokens)
     np.testing.assert_allclose(a.logits, b.logits, atol=1e-6)

@@ -322,7 +322,10 @@ def scale_experts(params, factor):
     return scaled
 
 
-def test_fp8_with_replay_reduces_the_gap(params):
+@pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
+def test_fp8_with_replay_reduces_the_gap(params, precision):
+    """Per-channel and 128x128 block scales (on the tiny model one tile per kernel and expert:
+    coarser than per channel)."""
     learner = scale_experts(params, 4.0)
     fp8 = engine_lib.Engine(
         CONFIG,
@@ -331,16 +334,16 @@ def test_fp8_with_replay_reduces_the_gap(params):
         max_slots=SLOTS,
         max_cache_len=CACHE,
         steps_per_sync=SYNC,
-        precision="fp8",
+        precision=precision,
     )
-    assert fp8.sampler_name == "jax-fp8"
+    assert fp8.sampler_name == f"jax-{precision}"
     groups = fp8.generate_groups(prompts(8), n_samples=2, rng=jax.random.key(3))
     plain = mismatch.measure_mismatch(CONFIG, learner, groups, replay=False)
     replay = mismatch.measure_mismatch(CONFIG, learner, groups, replay=True)
     factor = plain["mismatch/logp_abs_mean"] / replay["mismatch/logp_abs_mean"]
     at_flips = plain["mismatch/logp_abs_mean_at_flips"] / replay["mismatch/logp_abs_mean_at_flips"]
     print(
-        f"\nFP8 engine vs fp32 learner: mean |dlogp| {plain['mismatch/logp_abs_mean']:.2e} "
+        f"\n{precision} engine vs fp32 learner: mean |dlogp| {plain['mismatch/logp_abs_mean']:.2e} "
         f"without replay, {replay['mismatch/logp_abs_mean']:.2e} with ({factor:.2f}x); at the "
         f"{plain['mismatch/tokens_at_flips']:.0f} tokens after a flip {at_flips:.1f}x; "
         f"flip rate {plain['moe/routing_flip_rate']:.3f}"
@@ -352,12 +355,13 @@ def test_fp8_with_replay_reduces_the_gap(params):
     assert at_flips > 3.0
 
 
-def test_fp8_dequantised_once_samples_what_fp8_storage_samples(params):
+@pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
+def test_fp8_dequantised_once_samples_what_fp8_storage_samples(params, precision):
     """Dequantising the E4M3 weights once per load (the default) must not change a sample:
     same tokens, log-probs and routing as dequantising them in every forward."""
     learner = scale_experts(params, 4.0)
     kw = dict(sampling=SAMPLED, max_slots=SLOTS, max_cache_len=CACHE, steps_per_sync=SYNC,
-              precision="fp8")
+              precision=precision)
     once = engine_lib.Engine(CONFIG, learner, **kw)
     stored = engine_lib.Engine(CONFIG, learner, fp8_storage=True, **kw)
     kernel = once.params["layers_0"]["moe"]["wi_gate"]
@@ -458,6 +462,15 @@ def test_engine_params_per_precision(params):
     assert moe["router"]["kernel"].dtype == jnp.float32  # the router stays fp32
     assert p8["layers_0"]["attn"]["q_proj"]["kernel"]["qvalue"].dtype == jnp.float8_e4m3fn
     assert p8["lm_head"]["kernel"].dtype == jnp.float32
+    assert moe["wi_gate"]["scale"].shape == (8, 1, 32)  # per expert and output channel
+    pb, _ = engine_lib.engine_params(params, CONFIG, "fp8_block")
+    gate = pb["layers_0"]["moe"]["wi_gate"]
+    assert gate["qvalue"].dtype == jnp.float8_e4m3fn
+    assert gate["scale"].shape == (8, 1, 1)  # [64, 32] per expert: one 128x128 tile
+    np.testing.assert_array_equal(  # scale = amax / 448 of the tile
+        gate["scale"][:, 0, 0], jnp.max(jnp.abs(params["layers_0"]["moe"]["wi_gate"]),
+                                        axis=(1, 2)) / 448)
+    assert pb["layers_0"]["moe"]["router"]["kernel"].dtype == jnp.float32
 
 
 def test_batched_request_keys_equal_one_at_a_time():

@@ -137,7 +137,7 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     import jax
     import numpy as np
 
-    from espo_jax import models, run_setup, sharding, tasks
+    from espo_jax import models, run_setup, sharding, task_loading, tasks
     from espo_jax.buffer import BufferReader, flow, weights
     from espo_jax.rollout.mismatch import measure_mismatch
     from espo_jax.train import state as state_lib
@@ -224,7 +224,7 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     # verdict on the decoded text.
     by_id = {str(p["prompt_id"]): p for p in share}
     decode = tasks.decoder(cfg, tok)
-    task = tasks.load_task(cfg, str(tmp_path), tok)
+    task = task_loading.load_task(cfg, str(tmp_path), tok)
     reward_fn, target_fn = tasks.reward_fn(task)
     for g in groups:
         prompt = by_id[g.prompt_id]

@@ -1,6 +1,7 @@
 """A reward function that fails on every response stops the run after a checkpoint: its failed
-rewards (0.0, outcome False) are never trained on as if the policy had been wrong. The default
-experiment at laptop size, in process, with the task's verifier swapped for a broken one."""
+rewards (0.0, outcome False) are never trained on as if the policy had been wrong, and the step
+it stops at logs every outcome as missing. The default experiment at laptop size, in process,
+with the task's verifier swapped for a broken one."""
 
 import pytest
 from helpers import reward_pool_fns
@@ -8,6 +9,7 @@ from helpers import reward_pool_fns
 from espo_jax import configs, tasks
 from espo_jax.train import loop
 from espo_jax.train.checkpoint import Checkpointer
+from espo_jax.train.metrics import read_jsonl
 
 
 def test_reward_function_failing_everywhere_stops_the_run_after_a_checkpoint(tmp_path,
@@ -25,3 +27,11 @@ def test_reward_function_failing_everywhere_stops_the_run_after_a_checkpoint(tmp
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
     assert ckpt.latest_step() == 1
     ckpt.close()
+    # Step 1's metrics: every response's outcome is missing, no group has one; with RL-ZVP on
+    # the filter passes every group, so what is trained is what was generated.
+    m = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["phase"] == "rl"][-1]
+    assert m["step"] == 1 and m["zve/rollouts_generated"] > 0
+    assert m["zve/missing_outcomes"] == m["zve/rollouts_generated"]
+    assert m["zve/missing_outcome_groups"] == m["zve/groups_generated"] == 4
+    assert m["lengths/trained_mean"] == m["lengths/generated_mean"] > 0
+    assert m["lengths/trained_p90"] == m["lengths/generated_p90"] > 0

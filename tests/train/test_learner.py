@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo_jax import configs, sharding
+from espo_jax import config_validation, configs, sharding
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models.config import get_preset
 from espo_jax.models.tokenizer import CharTokenizer
@@ -203,7 +203,7 @@ def _learner_config():
     c.zve.zvp.enabled = True
     c.optim.warmup_steps = 0
     c.optim.lr = 1e-2
-    configs.validate(c, n_devices=jax.device_count())
+    config_validation.validate(c, n_devices=jax.device_count())
     return c
 
 

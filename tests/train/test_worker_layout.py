@@ -179,6 +179,10 @@ def test_flow_control_bounds_how_far_workers_run_ahead(tmp_path):
     for r in rl:
         assert r["async/staleness_max"] <= staleness
         assert r["zve/active"] > 0 and r["zve/samples_per_prompt"] > 0, r
+        # generated (read + dropped as stale) against trained response lengths, every step
+        assert min(r[f"lengths/{k}"] for k in ("generated_mean", "generated_p90",
+                                                "trained_mean", "trained_p90")) > 0, r
+        assert r["zve/missing_outcomes"] == 0 and r["zve/missing_outcomes_total"] == 0, r
     assert rl[-1]["zve/offline_rollouts"] > 0, rl[-1]
 
 

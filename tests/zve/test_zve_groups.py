@@ -68,6 +68,6 @@ def test_failed_reward_fraction():
     assert failed_reward_fraction([]) == 0.0
     ok, some = make_group([1, 0, 1, 1]), make_group([0, 0, 1, 0])
     assert failed_reward_fraction([ok, some]) == 0.0
-    some.meta["reward_failed"] = 2  # what the rollout side records for 2 failed calls
+    some.meta["reward_failed"] = [0, 3]  # what the rollout side records for 2 failed calls
     assert failed_reward_fraction([ok, some]) == pytest.approx(2 / 8)
     assert failed_reward_fraction([ScoredGroup(some, [0.0] * 4)]) == pytest.approx(0.5)

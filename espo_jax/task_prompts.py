@@ -1,0 +1,129 @@
+"""A task's prompts ready for the engine: tokenised, length-checked, ids checked.
+
+`prompt_sources` loads the run's task (`espo_jax.task_loading`), tries its reward once
+(`check_reward`) and gives its splits as `TokenizedPrompts` (chat messages through the
+tokenizer's chat template, text with a bos).
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Mapping, Sequence
+
+from espo_jax.rewards.pool import normalize_reward
+from espo_jax.task_loading import load_task
+from espo_jax.tasks import Task, reward_target
+
+PROBE_COMPLETION = "0"  # the dummy completion a task's reward is tried on before any work
+
+
+class TokenizedPrompts(Sequence):
+    """A task's prompt dicts with `tokens` (and `prompt` as the text the model sees), built on
+    access: chat messages go through `tokenizer.apply_chat_template` (no extra bos: the
+    template has its own), text gets `encode(text, add_bos=True)`. Prompts that already carry
+    `tokens` (the built-in TFDS sources) pass through."""
+
+    def __init__(self, prompts: Sequence[Mapping], tokenizer, *, split: str, task: str,
+                 max_prompt_tokens: int):
+        self._prompts, self._tokenizer = prompts, tokenizer
+        self._split, self._task, self._max = split, task, max_prompt_tokens
+
+    @property
+    def prompts(self) -> Sequence[Mapping]:
+        """The task's prompt dicts, untokenised."""
+        return self._prompts
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        p = self._prompts[i]
+        if "tokens" in p:
+            return dict(p)
+        out = {"prompt_id": f"{self._split}/{i}", "level": 0, "solution": "", **p}
+        prompt = out["prompt"]
+        if isinstance(prompt, str):
+            tokens = self._tokenizer.encode(prompt, add_bos=True)
+        elif isinstance(prompt, Sequence):
+            prompt = self._tokenizer.apply_chat_template(list(prompt))
+            tokens = self._tokenizer.encode(prompt)
+        else:
+            raise TypeError(f"task {self._task!r}: prompt {out['prompt_id']!r} is a "
+                            f"{type(prompt).__name__}; give text or chat messages")
+        if len(tokens) > self._max:
+            raise ValueError(f"task {self._task!r}: prompt {out['prompt_id']!r} has "
+                             f"{len(tokens)} tokens > rollout.max_prompt_len={self._max}")
+        out.update(prompt=prompt, tokens=tokens, level=int(out["level"]),
+                   prompt_id=str(out["prompt_id"]))
+        return out
+
+
+def prompt_sources(config, workdir: str, tokenizer) -> tuple[Task, dict[str, Sequence[dict]]]:
+    """(task, {"train", "warm", "validation", "test": tokenised prompts}); a split the task
+    lacks is empty. The reward is tried on the first train and held-out (`eval.split`) prompt
+    before the rest are tokenised (`check_reward`); every prompt's length is checked here for
+    tasks given as lists."""
+    task = load_task(config, workdir, tokenizer)
+    limit = config.rollout.max_prompt_len
+    splits = {split: TokenizedPrompts(prompts, tokenizer, split=split, task=task.name,
+                                      max_prompt_tokens=limit)
+              for split, prompts in (("train", task.train), ("warm", task.warm or task.train),
+                                     ("validation", task.validation), ("test", task.test))}
+    check_reward(task, [(split, splits[split][0]) for split in ("train", config.eval.split)
+                        if len(splits[split])], config.rollout.reward_backend)
+    out = {}
+    for split, tokenized in splits.items():
+        if isinstance(tokenized.prompts, list):  # a task's own list: tokenise (and check) now
+            tokenized = [tokenized[i] for i in range(len(tokenized))]
+        out[split] = tokenized
+    _check_ids(task, out)
+    return task, out
+
+
+def _check_ids(task: Task, splits: dict[str, Sequence[dict]]) -> None:
+    """Prompt ids are the scheduler's keys: two prompts of the train split with one id, or a
+    train id reused in validation or test, is an error naming it (built-in sources are
+    checked by their builders)."""
+    train = splits["train"]
+    if not isinstance(train, list):
+        return
+    ids = [p["prompt_id"] for p in train]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"task {task.name!r}: prompt_id {dup!r} appears twice in train")
+    for split in ("validation", "test"):
+        if isinstance(splits[split], list):
+            shared = set(ids) & {p["prompt_id"] for p in splits[split]}
+            if shared:
+                raise ValueError(f"task {task.name!r}: prompt ids {sorted(shared)[:3]} are in "
+                                 f"both train and {split}")
+
+
+
+def check_reward(task: Task, probes: Sequence[tuple[str, Mapping]], backend: str) -> None:
+    """The task's reward, tried before any data preparation or compilation instead of at the
+    first rollout or evaluation: with the process reward pool (`backend` "process") it must
+    pickle, and it is called once in this process on each `(split, tokenised prompt)` of
+    `probes` with the completion `PROBE_COMPLETION`. A reward that cannot be pickled, raises or
+    returns no reward is an error naming the task and what to do, or the prompt id and the
+    traceback."""
+    if backend == "process":
+        try:
+            pickle.dumps(task.reward)
+        except Exception as e:
+            raise ValueError(
+                f"task {task.name!r}: its reward {task.reward!r} cannot be pickled "
+                f"({type(e).__name__}: {e}), so the process reward pool "
+                "(config.rollout.reward_backend='process') cannot send it to its workers. "
+                "Define it at module level in an importable module, or set "
+                "--config.rollout.reward_backend=thread (rewards scored in threads of this "
+                "process; a call that times out is abandoned, not killed)") from None
+    for split, prompt in probes:
+        try:
+            normalize_reward(task.reward(reward_target(prompt), PROBE_COMPLETION))
+        except Exception:
+            raise RuntimeError(
+                f"task {task.name!r}: the reward failed on {split} prompt "
+                f"{prompt['prompt_id']!r}, tried once on the completion {PROBE_COMPLETION!r} "
+                f"before any work:\n{traceback.format_exc()}") from None
