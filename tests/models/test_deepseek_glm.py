@@ -134,8 +134,11 @@ def _jax_forward(config):
 def test_logits_and_routing_match_transformers(root, case):
     path = _hf_dir(case, root)
     config, params = hf_io.from_pretrained(path)
-    _, hf_out = _hf_forward(path)
+    hf_model, hf_out = _hf_forward(path)
     out = _jax_forward(config)(params, _tokens())
+    # parameter count: transformers' parameters plus the correction-bias buffers
+    n_hf = sum(p.numel() for p in hf_model.parameters()) + config.n_moe_layers * 8
+    assert config.param_count() == n_hf == sum(x.size for x in jax.tree.leaves(params))
     diff = float(np.max(np.abs(np.asarray(out.logits) - hf_out.logits.numpy())))
     print(f"{case}: max |logit diff| {diff:.2e}")
     assert diff < 1e-4

@@ -3,6 +3,8 @@ greedy decoding equals transformers' `generate` token for token on tiny random m
 captured routing covers the MoE layers only and equals the learner's own routing of the same
 sequence, and MLA's cache holds the latent and rope key per token, not the heads."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -56,8 +58,13 @@ def family(request, tmp_path_factory):
 
 def _prompts(config):
     rng = np.random.default_rng(1)
-    return [engine_lib.Request(f"p{i}", rng.integers(0, config.vocab_size, 5 + 2 * i).tolist())
+    return [engine_lib.Request(f"p{i}", rng.integers(0, config.vocab_size, 6).tolist())
             for i in range(3)]
+
+
+@functools.cache
+def _forward(config):
+    return jax.jit(functools.partial(models.forward, config))
 
 
 def test_greedy_equals_transformers_generate(family):
@@ -75,7 +82,7 @@ def test_greedy_equals_transformers_generate(family):
         np.testing.assert_array_equal(r.tokens, hf[0, prompt.shape[1]:].numpy())
         # routing of the MoE layers only (layer 0 is dense), as the learner routes the sequence
         seq = np.concatenate([g.prompt_tokens, r.tokens])[None]
-        out = models.forward(config, params, seq)
+        out = _forward(config)(params, seq)
         assert r.routed_experts.shape == (seq.shape[1], 2, 2) == out.routed_experts.shape[1:]
         np.testing.assert_array_equal(r.routed_experts[:-1], np.asarray(out.routed_experts[0])[:-1])
 
@@ -98,15 +105,14 @@ def test_cached_decode_equals_full_forward(family):
     forward at those positions."""
     _, config, params = family
     tokens = np.random.default_rng(2).integers(0, config.vocab_size, (1, 9))
-    full = models.forward(config, params, tokens).logits
+    full = _forward(config)(params, tokens).logits
     cache = models.init_cache(config, 1, 16)
     mask = np.zeros((1, 16), bool)
-    out = models.forward(config, params, tokens[:, :6], cache=cache, cache_mask_BxS=mask)
+    out = _forward(config)(params, tokens[:, :6], cache=cache, cache_mask_BxS=mask)
     np.testing.assert_allclose(out.logits, full[:, :6], atol=1e-5)
     cache, mask[:, :6] = out.cache, True
     for t in range(6, 9):
-        out = models.forward(config, params, tokens[:, t:t + 1], positions_BxT=np.array([[t]]),
-                             cache=cache, cache_mask_BxS=mask)
+        out = _forward(config)(params, tokens[:, t:t + 1], positions_BxT=np.array([[t]]),
+                               cache=cache, cache_mask_BxS=mask)
         np.testing.assert_allclose(out.logits[:, 0], full[:, t], atol=1e-5)
         cache, mask[:, t] = out.cache, True
-    jax.clear_caches()
