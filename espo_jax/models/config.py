@@ -65,8 +65,9 @@ class ModelConfig:
     causal_blocks: int = 1
     # ---- DeepSeek-V3 / GLM-4.5 families (the defaults keep the Qwen / Llama models unchanged) ----
     attention: str = "gqa"  # ATTENTIONS
-    # MLA (attention == "mla"): query low-rank size (0: a full q projection), key/value latent
-    # size, per-head query/key dims without and with RoPE, value head dim
+    # MLA (attention == "mla"; n_kv_heads and head_dim then unused): query low-rank size (0: a
+    # full q projection), key/value latent size, per-head query/key dims without and with RoPE,
+    # value head dim
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -155,6 +156,9 @@ class ModelConfig:
                 errors.append(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
             if self.q_lora_rank < 0:
                 errors.append(f"q_lora_rank must be >= 0 (0: none), got {self.q_lora_rank}")
+            if self.qk_norm or self.qkv_bias or self.partial_rotary_factor != 1:
+                errors.append("qk_norm, qkv_bias and partial_rotary_factor are GQA options; "
+                              "attention 'mla' takes none of them")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             errors.append(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] "
                           f"and give an even rotary dim (head_dim {self.head_dim})")

@@ -130,8 +130,6 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict[str, Any]:
         bad.append(f"moe_every={c.moe_every} (MoE after the first_k_dense layers: 1)")
     if c.shared_expert_d_ff:
         bad.append("shared_expert_d_ff (a gated Qwen2-MoE shared expert)")
-    if c.attention == "mla" and (c.qkv_bias or c.qk_norm or c.partial_rotary_factor != 1):
-        bad.append("qkv_bias / qk_norm / partial_rotary_factor with MLA")
     if c.attention != "mla" and c.rope_interleave:
         bad.append("rope_interleave with GQA")
     if bad:

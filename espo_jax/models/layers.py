@@ -1,5 +1,6 @@
-"""Building blocks of the Qwen3 decoder: RMSNorm, RoPE, dense projections, grouped-query
-attention (with q/k norm and an optional KV cache) and the SwiGLU MLP.
+"""Building blocks of the Qwen3 decoder: RMSNorm, dense projections, grouped-query attention
+(with q/k norm, q/k/v bias, RoPE from `rope` over all or part of each head, an optional KV
+cache) and the SwiGLU MLP. DeepSeek's latent attention is `mla.LatentAttention`.
 
 Every weight is declared with logical axis names (`nn.with_logical_partitioning`), which
 espo_jax/sharding.py maps to mesh axes. Kernels are read through `weight`, which returns a

@@ -113,7 +113,7 @@ def select_sigmoid_group(
     """
     n, e = logits_NxE.shape
     scores_NxE = jax.nn.sigmoid(logits_NxE.astype(jnp.float32))
-    choice_NxE = jax.lax.stop_gradient(scores_NxE + jax.lax.stop_gradient(bias_E))
+    choice_NxE = jax.lax.stop_gradient(scores_NxE + bias_E)  # orders experts only
     if n_group > 1:
         grouped_NxGxS = choice_NxE.reshape(n, n_group, e // n_group)
         group_scores_NxG = jnp.sum(jax.lax.top_k(grouped_NxGxS, 2)[0], axis=-1)

@@ -10,7 +10,7 @@ import pytest
 from espo_jax.models import forward, get_preset, init_params, router
 
 CONFIG = get_preset("tiny").replace(
-    n_layers=3, attention="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+    n_layers=3, attention="mla", qk_norm=False, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
     qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, router="sigmoid_group",
     n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense=1,
     router_bias_update_rate=0.01)
