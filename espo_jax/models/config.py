@@ -91,7 +91,8 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # sigmoid_group: gates times this factor
     # sigmoid_group: step of DeepSeek's auxiliary-loss-free bias update (0: the bias is frozen;
-    # DeepSeek-V3 pre-training 0.001), applied by `router.update_router_biases`
+    # DeepSeek-V3 pre-training 0.001), applied after each learner update from its rows'
+    # expert loads (`train.step.router_bias_update`, `router.update_router_biases`)
     router_bias_update_rate: float = 0.0
 
     def __post_init__(self):
