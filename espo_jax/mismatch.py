@@ -11,7 +11,8 @@ notebooks, the GPU check) and every run's metrics call `mismatch_metrics`, so th
   mismatch/tokens             response tokens compared
 and, where the rollout recorded the routed experts of an MoE policy:
   moe/routing_flip_rate       share of (token, MoE layer) decisions where the learner's own
-                              top-k set differs from the recorded one, mean over layers; under
+                              expert set (`ModelOutput.own_experts`: what its router kind
+                              chooses) differs from the recorded one, mean over layers; under
                               replay the experts used are the recorded ones by construction, and
                               the rate says how often replay overrode the learner's choice
   moe/routing_flip_rate/layer_{m}   the same for MoE layer m
@@ -29,12 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from espo_jax import models
-
-
-def own_routing(router_logits_BxTxMxE: jax.Array, k: int) -> jax.Array:
-    """The experts the learner's live router chooses (top-k of its logits), int32 [B, T, M, k]."""
-    logits = jax.lax.stop_gradient(router_logits_BxTxMxE)
-    return jax.lax.top_k(logits, k)[1].astype(jnp.int32)
 
 
 def _mean(x, w):

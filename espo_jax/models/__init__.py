@@ -1,4 +1,6 @@
-"""espo_jax.models: a Qwen3-MoE style decoder-only transformer in Flax Linen.
+"""espo_jax.models: a Qwen3-MoE style decoder-only transformer in Flax Linen, with the
+DeepSeek-V3 / GLM-4.5 variants chosen by `ModelConfig` fields (MLA attention, the sigmoid
+group-limited router, shared experts, dense first layers).
 
 Dimension letters used in array names throughout espo_jax (`logits_BxTxV`):
   B batch, T sequence (new tokens), S cache length, D model width, H query heads,
@@ -12,10 +14,19 @@ Parameters are a plain nested dict (no "params" wrapper):
                            "v_proj": {"kernel": [D, K*A]}, "o_proj": {"kernel": [H*A, D]},
                            "q_norm": {"scale": [A]}, "k_norm": {"scale": [A]}},
                   "mlp_norm": {"scale": [D]},
-                  "moe": {"router": {"kernel": [D, E]}, "wi_gate": [E, D, F], "wi_up": [E, D, F],
-                          "wo": [E, F, D], "shared_expert"?: {...}, "shared_expert_gate"?: ...}
+                  "moe": {"router": {"kernel": [D, E], "e_score_correction_bias"?: [E] fp32},
+                          "wi_gate": [E, D, F], "wi_up": [E, D, F], "wo": [E, F, D],
+                          "shared_expert"?: {...}, "shared_expert_gate"?: ...,
+                          "shared_experts"?: {"gate_proj", "up_proj", "down_proj"}}
                   | "mlp": {"gate_proj", "up_proj", "down_proj"}},
    "final_norm": {"scale": [D]}, "lm_head": {"kernel": [D, V]} (absent when tied)}
+With attention == "mla" a layer's "attn" is instead (C kv_lora_rank, R qk_rope_head_dim, P
+qk_nope_head_dim, Dv v_head_dim, Q = P + R):
+  {"q_proj": [D, H*Q]} | {"q_a_proj": [D, q_lora_rank], "q_a_norm": {"scale"},
+   "q_b_proj": [q_lora_rank, H*Q]}, "kv_a_proj": [D, C+R], "kv_a_norm": {"scale": [C]},
+  "kv_b_proj": [C, H*(P+Dv)], "o_proj": [H*Dv, D] (each {"kernel": ...}).
+"e_score_correction_bias" (router == "sigmoid_group") orders experts and never receives a
+gradient; "shared_experts" (n_shared_experts > 0) is one SwiGLU of width n_shared_experts * F.
 Kernels are [in, out]. A kernel may also be an FP8 pytree {"qvalue", "scale"} (see `quant`).
 """
 

@@ -10,6 +10,13 @@ import dataclasses
 from typing import Any
 
 DISPATCHES = ("dropless", "dropless_loop", "capacity", "ragged", "dense")
+# "gqa": grouped-query attention (Qwen, Llama, GLM-4.5; `layers.Attention`); "mla": DeepSeek's
+# multi-head latent attention (`mla.LatentAttention`)
+ATTENTIONS = ("gqa", "mla")
+# "softmax_topk": top-k of softmax(logits) (Qwen-MoE, Mixtral); "sigmoid_group": sigmoid scores,
+# a correction bias and group-limited top-k (DeepSeek-V3, GLM-4.5); see espo_jax/models/router.py
+ROUTERS = ("softmax_topk", "sigmoid_group")
+ROPE_SCALINGS = ("default", "yarn")
 _DTYPES = ("float32", "bfloat16", "float16")
 # the positions the MoE aux losses average over: "real" tokens (Hugging Face's
 # `load_balancing_loss_func` with an attention mask), or "all" of a batch's rows, padding included
@@ -56,6 +63,37 @@ class ModelConfig:
     # ~(n-1)/2n of the score work is skipped; equal to n = 1 up to float summation order.
     # Needs positions that increase along each segment of a row (every batch here has them).
     causal_blocks: int = 1
+    # ---- DeepSeek-V3 / GLM-4.5 families (the defaults keep the Qwen / Llama models unchanged) ----
+    attention: str = "gqa"  # ATTENTIONS
+    # MLA (attention == "mla"; n_kv_heads and head_dim then unused): query low-rank size (0: a
+    # full q projection), key/value latent size, per-head query/key dims without and with RoPE,
+    # value head dim
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    partial_rotary_factor: float = 1.0  # GQA: RoPE on the first int(head_dim * f) dims only
+    rope_interleave: bool = False  # RoPE on (even, odd) pairs, as DeepSeek's MLA (HF layout)
+    rope_scaling: str = "default"  # ROPE_SCALINGS
+    rope_factor: float = 1.0  # YaRN: context extension factor
+    rope_original_max_len: int = 0  # YaRN: the pre-training context (original_max_position_...)
+    yarn_beta_fast: float = 32.0  # YaRN: ramp bounds in rotations
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0  # YaRN attention-factor terms (0: absent, as HF's None)
+    yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float = 0.0  # 0: derived from factor and the mscales (HF's rule)
+    yarn_truncate: bool = True  # round the ramp bounds to whole dims (HF `truncate`)
+    first_k_dense: int = 0  # the first k layers are dense (HF first_k_dense_replace)
+    n_shared_experts: int = 0  # always-on experts of width d_expert each, ungated (DeepSeek)
+    router: str = "softmax_topk"  # ROUTERS
+    n_group: int = 1  # sigmoid_group: experts in n_group groups, the best topk_group searched
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # sigmoid_group: gates times this factor
+    # sigmoid_group: step of DeepSeek's auxiliary-loss-free bias update (0: the bias is frozen;
+    # DeepSeek-V3 pre-training 0.001), applied after each learner update from its rows'
+    # expert loads (`train.step.router_bias_update`, `router.update_router_biases`)
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         errors = []
@@ -101,13 +139,63 @@ class ModelConfig:
                 errors.append(f"{name} {getattr(self, name)!r} is not one of {_DTYPES}")
         if self.rms_eps <= 0 or self.rope_theta <= 0:
             errors.append("rms_eps and rope_theta must be > 0")
+        errors += self._family_errors()
         if errors:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
+
+    def _family_errors(self) -> list[str]:
+        errors = []
+        for name, valid in (("attention", ATTENTIONS), ("router", ROUTERS),
+                            ("rope_scaling", ROPE_SCALINGS)):
+            if getattr(self, name) not in valid:
+                errors.append(f"{name} {getattr(self, name)!r} is not one of {valid}")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) < 1:
+                    errors.append(f"attention 'mla' needs {name} >= 1, got {getattr(self, name)}")
+            if self.qk_rope_head_dim % 2:
+                errors.append(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+            if self.q_lora_rank < 0:
+                errors.append(f"q_lora_rank must be >= 0 (0: none), got {self.q_lora_rank}")
+            if self.qk_norm or self.qkv_bias or self.partial_rotary_factor != 1:
+                errors.append("qk_norm, qkv_bias and partial_rotary_factor are GQA options; "
+                              "attention 'mla' takes none of them")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            errors.append(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] "
+                          f"and give an even rotary dim (head_dim {self.head_dim})")
+        if self.rope_scaling == "yarn" and (self.rope_factor <= 0
+                                            or self.rope_original_max_len < 1):
+            errors.append(f"YaRN needs rope_factor > 0 and rope_original_max_len >= 1, got "
+                          f"{self.rope_factor} and {self.rope_original_max_len}")
+        if self.first_k_dense < 0 or self.n_shared_experts < 0:
+            errors.append("first_k_dense and n_shared_experts must be >= 0")
+        if self.router == "sigmoid_group" and self.n_moe_layers:
+            if self.n_group < 1 or self.n_experts % self.n_group:
+                errors.append(f"n_experts ({self.n_experts}) must be divisible by n_group "
+                              f"({self.n_group} >= 1)")
+            elif not 1 <= self.topk_group <= self.n_group:
+                errors.append(f"topk_group must be in [1, n_group={self.n_group}], got "
+                              f"{self.topk_group}")
+            elif self.top_k > self.topk_group * (self.n_experts // self.n_group):
+                errors.append(f"top_k ({self.top_k}) exceeds the experts of topk_group "
+                              f"({self.topk_group}) groups of {self.n_experts // self.n_group}")
+            elif self.n_group > 1 and self.n_experts // self.n_group < 2:
+                errors.append("group-limited routing scores each group by its two best experts: "
+                              f"needs >= 2 experts per group, got {self.n_experts // self.n_group}")
+        if self.router_bias_update_rate < 0:
+            errors.append(f"router_bias_update_rate must be >= 0, got "
+                          f"{self.router_bias_update_rate}")
+        return errors
 
     # ---- derived quantities -------------------------------------------------------------------
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (0-based) is an MoE layer (HF Qwen3-MoE `decoder_sparse_step`)."""
-        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
+        return self.moe_every > 0 and (i + 1) % self.moe_every == 0 and i >= self.first_k_dense
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each GQA head that RoPE rotates (all unless `partial_rotary_factor` < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -121,20 +209,35 @@ class ModelConfig:
     def param_count(self, active: bool = False) -> int:
         """Number of parameters; with `active`, only those one token uses (top_k experts)."""
         d, a = self.d_model, self.head_dim
-        attn = d * a * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * a * d + 2 * d
-        if self.qkv_bias:
-            attn += a * (self.n_heads + 2 * self.n_kv_heads)
-        if self.qk_norm:
-            attn += 2 * a
+        if self.attention == "mla":
+            attn = self._mla_param_count() + 2 * d
+        else:
+            attn = d * a * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * a * d + 2 * d
+            if self.qkv_bias:
+                attn += a * (self.n_heads + 2 * self.n_kv_heads)
+            if self.qk_norm:
+                attn += 2 * a
         experts = self.top_k if active else self.n_experts
         moe = d * self.n_experts + experts * 3 * d * self.d_expert
         if self.shared_expert_d_ff:
             moe += 3 * d * self.shared_expert_d_ff + d
+        moe += 3 * d * self.d_expert * self.n_shared_experts
+        if self.router == "sigmoid_group":
+            moe += self.n_experts  # the correction bias
         dense = 3 * d * self.d_ff
         n_moe = self.n_moe_layers
         total = self.n_layers * attn + n_moe * moe + (self.n_layers - n_moe) * dense
         embeds = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total + embeds + d
+
+    def _mla_param_count(self) -> int:
+        d, h = self.d_model, self.n_heads
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = d * h * qk if not self.q_lora_rank else (
+            d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk)
+        kv = (d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+              + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim))
+        return q + kv + h * self.v_head_dim * d
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

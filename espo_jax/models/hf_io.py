@@ -1,5 +1,7 @@
-"""Hugging Face interop: read and write Qwen3-MoE / Qwen2-MoE checkpoint directories, and the
-dense families beside them (Qwen3, Qwen2, Llama: SmolLM2, Llama 2/3 without RoPE scaling).
+"""Hugging Face interop: read and write Qwen3-MoE / Qwen2-MoE checkpoint directories, the
+dense families beside them (Qwen3, Qwen2, Llama: SmolLM2, Llama 2/3 without RoPE scaling), and
+DeepSeek-V3 / GLM-4.5 (multi-token-prediction layers skipped on read). config.json is
+translated by `hf_config` (and `hf_deepseek`); this module maps and moves the tensors.
 
 A Hugging Face directory holds `config.json` and either `model.safetensors` or shards listed in
 `model.safetensors.index.json`. `from_pretrained` turns one into `(ModelConfig, params)` in the
@@ -21,138 +23,30 @@ Conventions crossed here:
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from espo_jax.models import hf_fp8
+from espo_jax.models import hf_deepseek, hf_fp8
 from espo_jax.models.config import ModelConfig
+from espo_jax.models.hf_config import (  # noqa: F401  (re-exported)
+    _NP_DTYPES,
+    ARCHITECTURES,
+    DENSE,
+    config_from_hf,
+    config_to_hf,
+)
 
-ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "llama": "LlamaForCausalLM"}
-DENSE = ("qwen3", "qwen2", "llama")
-_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
-_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "intermediate_size")
-_REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
-
-
-# ---- config.json <-> ModelConfig -------------------------------------------------------------
-def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConfig:
-    """A `ModelConfig` from a parsed Hugging Face `config.json` (one of `ARCHITECTURES`)."""
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r} (architectures "
-                         f"{hf.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
-    dense = model_type in DENSE
-    missing = [k for k in _REQUIRED + (() if dense else _REQUIRED_MOE) if k not in hf]
-    n_experts = 0 if dense else hf.get("num_experts", hf.get("num_local_experts"))
-    if n_experts is None:
-        missing.append("num_experts")
-    if missing:
-        raise ValueError(f"config.json ({model_type}) lacks required fields: {missing}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' (SwiGLU)")
-    if hf.get("use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported (full attention only)")
-    if hf.get("mlp_bias", False):
-        raise ValueError(f"{model_type} with mlp_bias=True is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"unsupported RoPE scaling {rope}; only the default RoPE")
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    qk_norm = model_type in ("qwen3_moe", "qwen3")
-    if model_type in ("qwen3_moe", "qwen3", "llama") and hf.get("attention_bias", False):
-        raise ValueError(f"{model_type} with attention_bias=True (bias on o_proj) is not "
-                         "supported")
-    # Qwen2 / Qwen2-MoE always have q/k/v biases (their modules take no flag for it).
-    qkv_bias = model_type in ("qwen2_moe", "qwen2") and bool(hf.get("qkv_bias", True))
-    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
-    step = hf.get("decoder_sparse_step", 1)
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    moe_layers = tuple(i for i in range(n_layers)
-                       if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)
-    moe_every = _moe_every_for(moe_layers, n_layers)
-    shared = hf.get("shared_expert_intermediate_size", 5632) if model_type == "qwen2_moe" else 0
-    if dtype is None:
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        dtype = dtype if dtype in _NP_DTYPES else "float32"
-    moe_fields = {} if dense else dict(
-        n_experts=max(n_experts, 1), top_k=hf["num_experts_per_tok"],
-        d_expert=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        d_ff=hf["intermediate_size"], moe_every=moe_every, shared_expert_d_ff=shared,
-        qk_norm=qk_norm, qkv_bias=qkv_bias,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=float(rope_theta),
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_seq_len=hf.get("max_position_embeddings", 32768),
-        init_std=float(hf.get("initializer_range", 0.02)), dtype=dtype, param_dtype=dtype,
-        **moe_fields,
-    )
-
-
-def _moe_every_for(moe_layers: tuple[int, ...], n_layers: int) -> int:
-    """The `moe_every` whose MoE layers are exactly `moe_layers`, or a ValueError."""
-    for n in range(n_layers + 1):
-        if tuple(i for i in range(n_layers) if n and (i + 1) % n == 0) == moe_layers:
-            return n
-    raise ValueError(f"MoE layers {list(moe_layers)} of {n_layers} (from decoder_sparse_step and "
-                     "mlp_only_layers) are not a pattern ModelConfig.moe_every can express")
-
-
-def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, Any]:
-    """The Hugging Face `config.json` dict for `config`: a model with MoE layers is Qwen3-MoE
-    (q/k norm) or Qwen2-MoE (a shared expert, no q/k norm); a dense one (`moe_every == 0`) is
-    Qwen3 (q/k norm), Qwen2 (q/k/v bias) or Llama (neither). Raises for combinations no HF
-    architecture has."""
-    c = config
-    if c.qk_norm and (c.qkv_bias or c.shared_expert_d_ff):
-        raise ValueError("no Hugging Face architecture has q/k norm together with qkv_bias or a "
-                         "shared expert (Qwen3-MoE: q/k norm; Qwen2-MoE: bias + shared expert)")
-    if c.n_moe_layers:
-        if not c.qk_norm and not c.shared_expert_d_ff:
-            raise ValueError("a config without q/k norm maps to Qwen2-MoE, which needs a shared "
-                             "expert (shared_expert_d_ff > 0)")
-        model_type = "qwen3_moe" if c.qk_norm else "qwen2_moe"
-    else:
-        model_type = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else "llama"
-    hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
-        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim, "intermediate_size": c.d_ff, "tie_word_embeddings":
-        c.tie_embeddings, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "rms_norm_eps": c.rms_eps, "max_position_embeddings": c.max_seq_len,
-        "initializer_range": c.init_std, "hidden_act": "silu", "attention_dropout": 0.0,
-        "dtype": dtype,
-    }
-    if c.n_moe_layers:
-        hf |= {"num_experts": c.n_experts, "num_experts_per_tok": c.top_k,
-               "moe_intermediate_size": c.d_expert, "decoder_sparse_step": c.moe_every,
-               "mlp_only_layers": [], "norm_topk_prob": c.norm_topk_prob,
-               "router_aux_loss_coef": c.aux_loss_coef}
-    if model_type in ("qwen3_moe", "qwen3", "llama"):
-        hf["attention_bias"] = False
-    if model_type.startswith("qwen"):
-        hf["use_sliding_window"] = False
-    if model_type == "qwen2_moe":
-        hf["qkv_bias"] = c.qkv_bias
-        hf["shared_expert_intermediate_size"] = c.shared_expert_d_ff
-    if model_type == "llama":
-        hf["mlp_bias"] = False
-    return hf
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+log = logging.getLogger(__name__)
 
 
 # ---- the name map ------------------------------------------------------------------------------
@@ -188,7 +82,9 @@ def param_map(config: ModelConfig) -> list[tuple]:
         p, hf = f"layers_{i}", f"model.layers.{i}"
         entries.append(_copy((p, "attn_norm", "scale"), f"{hf}.input_layernorm.weight"))
         entries.append(_copy((p, "mlp_norm", "scale"), f"{hf}.post_attention_layernorm.weight"))
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if config.attention == "mla":
+            entries += _mla_entries(config, (p, "attn"), f"{hf}.self_attn")
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")[4 * (config.attention == "mla"):]:
             bias = config.qkv_bias and proj != "o_proj"
             entries += _linear((p, "attn", proj), f"{hf}.self_attn.{proj}", bias)
         if config.qk_norm:
@@ -197,6 +93,9 @@ def param_map(config: ModelConfig) -> list[tuple]:
         if config.is_moe_layer(i):
             m = (p, "moe")
             entries += _linear(m + ("router",), f"{hf}.mlp.gate")
+            if config.router == "sigmoid_group":
+                entries.append(_copy(m + ("router", "e_score_correction_bias"),
+                                     f"{hf}.mlp.gate.e_score_correction_bias"))
             for ours, proj in (("wi_gate", "gate_proj"), ("wi_up", "up_proj"), ("wo", "down_proj")):
                 entries.append(_experts(m + (ours,), f"{hf}.mlp.experts", proj, config.n_experts))
             if config.shared_expert_d_ff:
@@ -204,12 +103,30 @@ def param_map(config: ModelConfig) -> list[tuple]:
                     name = f"{hf}.mlp.shared_expert.{proj}"
                     entries += _linear(m + ("shared_expert", proj), name)
                 entries += _linear(m + ("shared_expert_gate",), f"{hf}.mlp.shared_expert_gate")
+            if config.n_shared_experts:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    entries += _linear(m + ("shared_experts", proj),
+                                       f"{hf}.mlp.shared_experts.{proj}")
         else:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 entries += _linear((p, "mlp", proj), f"{hf}.mlp.{proj}")
     entries.append(_copy(("final_norm", "scale"), "model.norm.weight"))
     if not config.tie_embeddings:
         entries += _linear(("lm_head",), "lm_head")
+    return entries
+
+
+def _mla_entries(config: ModelConfig, path: tuple[str, ...], hf: str) -> list[tuple]:
+    """An MLA layer's tensors (`espo_jax.models.mla`; transformers `DeepseekV3Attention`)."""
+    q = (("q_a_proj", "q_a_proj"), ("q_b_proj", "q_b_proj")) if config.q_lora_rank else (
+        ("q_proj", "q_proj"),)
+    entries = []
+    for ours, theirs in q + (("kv_a_proj", "kv_a_proj_with_mqa"), ("kv_b_proj", "kv_b_proj"),
+                             ("o_proj", "o_proj")):
+        entries += _linear(path + (ours,), f"{hf}.{theirs}")
+    norms = (("q_a_norm", "q_a_layernorm"),) if config.q_lora_rank else ()
+    for ours, theirs in norms + (("kv_a_norm", "kv_a_layernorm"),):
+        entries.append(_copy(path + (ours, "scale"), f"{hf}.{theirs}.weight"))
     return entries
 
 
@@ -305,7 +222,7 @@ def _fused_getter(reader: _TensorReader, config: ModelConfig) -> Getter:
 
 def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = None,
                     strict: bool = True) -> tuple[ModelConfig, dict]:
-    """Reads a Hugging Face Qwen3-MoE / Qwen2-MoE directory into `(config, params)`.
+    """Reads a Hugging Face directory (one of `ARCHITECTURES`) into `(config, params)`.
 
     dtype: parameter dtype ("float32", "bfloat16", "float16"); default: config.json's `dtype`.
       Block-FP8 weights are dequantised exactly in float32, then cast to it.
@@ -342,14 +259,23 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
             raise ValueError(f"tensor(s) {names[0]}{'...' if len(names) > 1 else ''} give "
                              f"{'/'.join(ours)} shape {value.shape}; config implies "
                              f"{expected[ours]}")
-        value = np.ascontiguousarray(value.astype(np_dtype))
+        # the correction bias stays fp32 (it orders experts whose scores may differ by < 1e-3)
+        value = np.ascontiguousarray(value.astype(
+            np.float32 if ours[-1] == "e_score_correction_bias" else np_dtype))
         if shardings is not None:
             import jax
 
             value = jax.device_put(value, _get(shardings, ours))
         _set(params, ours, value)
+    n_mtp = hf.get("num_nextn_predict_layers") or 0
+    mtp = {n for n in reader.weight_map if (m := _LAYER_INDEX.match(n))
+           and config.n_layers <= int(m.group(1)) < config.n_layers + n_mtp}
+    if mtp:
+        log.info("%s: skipped %d tensors of %d multi-token-prediction layers (layers %d..%d; "
+                 "speculative decoding, not the policy)", path, len(mtp), n_mtp,
+                 config.n_layers, config.n_layers + n_mtp - 1)
     unused = sorted(n for n in reader.weight_map if n not in reader.used
-                    and not n.endswith(_IGNORED_SUFFIXES)
+                    and not n.endswith(_IGNORED_SUFFIXES) and n not in mtp
                     and not (config.tie_embeddings and n == "lm_head.weight"))
     if strict and unused:
         raise ValueError(f"checkpoint {path} has {len(unused)} tensors the model does not use, "
@@ -363,10 +289,15 @@ def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ..
     d, h, k, a = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.head_dim
     e, f, fs = c.n_experts, c.d_expert, c.shared_expert_d_ff
     kernels = {"q_proj": (d, h), "k_proj": (d, k), "v_proj": (d, k), "o_proj": (h, d)}
+    mla = hf_deepseek.mla_shapes(c) if c.attention == "mla" else {}
     out: dict[tuple[str, ...], tuple[int, ...]] = {}
     for ours, *_ in param_map(config):
         leaf, parent = ours[-1], ours[-2] if len(ours) > 1 else ""
-        if ours[0] == "embed":
+        if ours[1:2] == ("attn",) and parent in mla:
+            shape = mla[parent]
+        elif leaf == "e_score_correction_bias":
+            shape = (e,)
+        elif ours[0] == "embed":
             shape = (c.vocab_size, d)
         elif ours[0] == "lm_head":
             shape = (d, c.vocab_size)
@@ -383,7 +314,8 @@ def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ..
         elif parent == "shared_expert_gate":
             shape = (d, 1)
         else:  # gate/up/down of the dense MLP or the shared expert
-            hidden = fs if "shared_expert" in ours else c.d_ff
+            hidden = {"shared_expert": fs, "shared_experts": f * c.n_shared_experts}.get(
+                ours[2] if len(ours) > 3 else "", c.d_ff)
             shape = (hidden, d) if parent == "down_proj" else (d, hidden)
         out[ours] = shape
     return out

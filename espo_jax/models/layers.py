@@ -1,5 +1,6 @@
-"""Building blocks of the Qwen3 decoder: RMSNorm, RoPE, dense projections, grouped-query
-attention (with q/k norm and an optional KV cache) and the SwiGLU MLP.
+"""Building blocks of the Qwen3 decoder: RMSNorm, dense projections, grouped-query attention
+(with q/k norm, q/k/v bias, RoPE from `rope` over all or part of each head, an optional KV
+cache) and the SwiGLU MLP. DeepSeek's latent attention is `mla.LatentAttention`.
 
 Every weight is declared with logical axis names (`nn.with_logical_partitioning`), which
 espo_jax/sharding.py maps to mesh axes. Kernels are read through `weight`, which returns a
@@ -19,6 +20,9 @@ import jax.numpy as jnp
 
 from espo_jax.models import quant
 from espo_jax.models.config import ModelConfig
+from espo_jax.models.rope import rope, rotate
+
+__all__ = ["rope"]  # re-exported: RoPE lives in espo_jax/models/rope.py
 
 Axes = tuple[str | None, ...]
 
@@ -86,22 +90,6 @@ def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
     return RMSNorm(config.rms_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
 
 
-def rope(x_BxTxNxA: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding as HF: inv_freq = theta^(-2i/A), halves rotated (not interleaved)."""
-    a = x_BxTxNxA.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, a, 2, dtype=jnp.float32) / a))
-    freqs_BxTxA2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-    # cos and sin once per token, materialised: fused into their consumers XLA evaluates them
-    # again for every head of q and k, forward and backward (bench peers' train step: 12% of
-    # its attention time).
-    cos, sin = jax.lax.optimization_barrier((jnp.cos(freqs_BxTxA2), jnp.sin(freqs_BxTxA2)))
-    cos = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([sin, sin], axis=-1)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxTxNxA, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x_BxTxNxA * cos + rotated * sin).astype(x_BxTxNxA.dtype)
-
-
 def write_cache(
     cache_BxKxSxA: jax.Array, new_BxTxKxA: jax.Array, slots_BxT: jax.Array
 ) -> jax.Array:
@@ -167,7 +155,7 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
             keys_BxKxSxA = jnp.swapaxes(keys_BxKxAxS, 2, 3)
         out_BxKxQxA = softmax_attention(q_BxKxQxA, keys_BxKxSxA, values_BxKxSxA,
                                         mask_BxTxS[:, None, None], g, dtype)
-        return jnp.moveaxis(out_BxKxQxA.reshape(b, kv, g, t, a), 3, 1)
+        return jnp.moveaxis(out_BxKxQxA.reshape(b, kv, g, t, -1), 3, 1)
     # A decode step: with the cache's [A, S] keys both products are plain batched matmuls,
     # [G, A] x [A, S] and [G, S] x [S, A] per slot and kv head. A 32-slot decode step of the
     # peers model, scores + weighted values + o_proj per layer: 133 us with [S, A] keys and
@@ -281,6 +269,23 @@ def causal_blocks(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array, segments_BxT
     return jnp.concatenate(outs, axis=1)
 
 
+def attend(config: ModelConfig, q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
+           segments_BxT: jax.Array, no_cache: bool, **keys: jax.Array | None) -> jax.Array:
+    """`attend_keys` (keyword arguments `keys`) the way `config` asks: in query chunks
+    (`attention_chunk`), in causal blocks (`causal_blocks`, a pass without a cache), or at once."""
+    c = config
+    t = q_BxTxKxGxA.shape[1]
+    attend_fn = functools.partial(attend_keys, **keys, dtype=c.dtype)
+    if c.attention_chunk and t > c.attention_chunk:
+        return chunked(attend_fn, q_BxTxKxGxA, positions_BxT, segments_BxT, c.attention_chunk)
+    if no_cache and c.causal_blocks > 1 and t >= 2 * c.causal_blocks:
+        return causal_blocks(q_BxTxKxGxA, positions_BxT, segments_BxT,
+                             keys_BxKxSxA=keys["keys_BxKxSxA"],
+                             values_BxKxSxA=keys["values_BxKxSxA"], n=c.causal_blocks,
+                             dtype=c.dtype)
+    return attend_fn(q_BxTxKxGxA, positions_BxT, segments_BxT)
+
+
 class Attention(nn.Module):
     """Grouped-query attention (K kv heads shared by H/K query heads each), q/k RMSNorm per
     head, RoPE. A query at position p sees keys at positions <= p that are valid (segment id
@@ -310,8 +315,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             q_BxTxHxA = rms_norm(c, "q_norm")(q_BxTxHxA)
             k_BxTxKxA = rms_norm(c, "k_norm")(k_BxTxKxA)
-        q_BxTxHxA = rope(q_BxTxHxA, positions_BxT, c.rope_theta)
-        k_BxTxKxA = rope(k_BxTxKxA, positions_BxT, c.rope_theta)
+        q_BxTxHxA = rotate(c, q_BxTxHxA, positions_BxT, c.rotary_dim)
+        k_BxTxKxA = rotate(c, k_BxTxKxA, positions_BxT, c.rotary_dim)
 
         new_cache = None
         if cache is None:
@@ -336,21 +341,11 @@ class Attention(nn.Module):
             key_segments_BxS = None  # a cache row holds one sequence
 
         g = h // kv
-        q_BxTxKxGxA = q_BxTxHxA.reshape(b, t, kv, g, a)
-        attend = functools.partial(attend_keys, keys_BxKxSxA=keys_BxKxSxA,
-                                   keys_BxKxAxS=keys_BxKxAxS, values_BxKxSxA=values_BxKxSxA,
-                                   key_pos_BxS=key_pos_BxS, key_valid_BxS=key_valid_BxS,
-                                   key_segments_BxS=key_segments_BxS, dtype=c.dtype)
-        if c.attention_chunk and t > c.attention_chunk:
-            out_BxTxKxGxA = chunked(attend, q_BxTxKxGxA, positions_BxT, segments_BxT,
-                                    c.attention_chunk)
-        elif cache is None and c.causal_blocks > 1 and t >= 2 * c.causal_blocks:
-            out_BxTxKxGxA = causal_blocks(q_BxTxKxGxA, positions_BxT, segments_BxT,
-                                          keys_BxKxSxA=keys_BxKxSxA,
-                                          values_BxKxSxA=values_BxKxSxA, n=c.causal_blocks,
-                                          dtype=c.dtype)
-        else:
-            out_BxTxKxGxA = attend(q_BxTxKxGxA, positions_BxT, segments_BxT)
+        out_BxTxKxGxA = attend(c, q_BxTxHxA.reshape(b, t, kv, g, a), positions_BxT, segments_BxT,
+                               cache is None, keys_BxKxSxA=keys_BxKxSxA,
+                               keys_BxKxAxS=keys_BxKxAxS, values_BxKxSxA=values_BxKxSxA,
+                               key_pos_BxS=key_pos_BxS, key_valid_BxS=key_valid_BxS,
+                               key_segments_BxS=key_segments_BxS)
         out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxKxGxA.reshape(b, t, h * a))
         return out, new_cache
 

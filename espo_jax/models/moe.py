@@ -1,10 +1,12 @@
 """The mixture-of-experts layer: `MoeBlock` wires the router, the dispatch to the experts and
 the auxiliary losses, each a separate function of its own module.
 
-Per token: `router.Router` gives fp32 logits, `router.select_experts` the top-k experts and
-their gate weights (recorded routes replayed where given), a `moe_dispatch` implementation
-(`ModelConfig.dispatch`) runs each token through its experts' SwiGLU and sums the outputs
-weighted by the gates; an optional Qwen2-MoE shared expert adds a sigmoid-gated dense MLP.
+Per token: `router.Router` gives fp32 logits, `router.route` the experts and their gate
+weights by the router kind `ModelConfig.router` names (recorded routes replayed where given), a
+`moe_dispatch` implementation (`ModelConfig.dispatch`) runs each token through its experts'
+SwiGLU and sums the outputs weighted by the gates; an optional Qwen2-MoE shared expert adds a
+sigmoid-gated dense MLP, and DeepSeek / GLM shared experts (`n_shared_experts`) an ungated one
+of width n_shared_experts * d_expert that every token passes through.
 The layer returns the per-layer `router.load_balance_loss`, `router.z_loss` and the dropped
 fraction (capacity dispatch) for the model's aux loss and metrics.
 """
@@ -24,11 +26,13 @@ from espo_jax.models.moe_dispatch import (
     dropless_dispatch,
     ragged_dispatch,
 )
-from espo_jax.models.router import Router, load_balance_loss, select_experts, z_loss
+from espo_jax.models.router import Router, load_balance_loss, route, z_loss
 
 
 class MoeBlock(nn.Module):
-    """Router + experts (+ optional Qwen2-MoE shared expert with a sigmoid gate)."""
+    """Router + experts (+ optional Qwen2-MoE shared expert with a sigmoid gate, + optional
+    always-on shared experts). Returns (y, router logits, experts used, the router's own
+    choice, per-layer stats)."""
 
     config: ModelConfig
 
@@ -40,9 +44,9 @@ class MoeBlock(nn.Module):
         e, f = c.n_experts, c.d_expert
         x_NxD = x_BxTxD.reshape(b * t, d)
         mask_N = None if mask_BxT is None else mask_BxT.reshape(b * t)
-        logits_NxE = Router(c, name="router")(x_NxD)
+        logits_NxE, bias_E = Router(c, name="router")(x_NxD)
         replay_Nxk = None if replay_BxTxk is None else replay_BxTxk.reshape(b * t, c.top_k)
-        idx_Nxk, weights_Nxk = select_experts(logits_NxE, c.top_k, c.norm_topk_prob, replay_Nxk)
+        idx_Nxk, weights_Nxk, own_Nxk = route(c, logits_NxE, bias_E, replay_Nxk)
 
         init = nn.initializers.normal(c.init_std)
         wg = weight(self, "wi_gate", init, (e, d, f), ("exp", "embed", "mlp"), c.param_dtype)
@@ -66,11 +70,14 @@ class MoeBlock(nn.Module):
             shared = Mlp(c, c.shared_expert_d_ff, name="shared_expert")(xc)
             gate = dense(c, 1, ("embed", None), "shared_expert_gate")(xc)
             y_NxD = y_NxD + nn.sigmoid(gate.astype(jnp.float32)).astype(c.dtype) * shared
+        if c.n_shared_experts:
+            y_NxD = y_NxD + Mlp(c, c.n_shared_experts * f, name="shared_experts")(xc)
 
         aux_N = mask_N  # the aux losses' token weights
         if c.aux_loss_tokens == "all" and mask_N is not None:  # padding positions count once
             aux_N = jnp.where(mask_N > 0, mask_N, 1).astype(jnp.float32)
-        stats = {"load_balance_loss": load_balance_loss(logits_NxE, idx_Nxk, aux_N),
+        scoring = "sigmoid" if c.router == "sigmoid_group" else "softmax"
+        stats = {"load_balance_loss": load_balance_loss(logits_NxE, idx_Nxk, aux_N, scoring),
                  "z_loss": z_loss(logits_NxE, aux_N), "dropped_frac": dropped}
         return (y_NxD.reshape(b, t, d), logits_NxE.reshape(b, t, e),
-                idx_Nxk.reshape(b, t, c.top_k), stats)
+                idx_Nxk.reshape(b, t, c.top_k), own_Nxk.reshape(b, t, c.top_k), stats)

@@ -8,6 +8,14 @@ gate weights are the live ones gathered at the used experts, so gradients reach 
 either way. The kinds:
 - softmax top-k (Qwen3-MoE, Qwen2-MoE, Mixtral; `select_experts`): the k largest of
   softmax(logits), their probabilities as gates (renormalised with `norm_topk_prob`).
+- sigmoid group-limited (DeepSeek-V3, GLM-4.5; `select_sigmoid_group`): scores sigmoid(logits);
+  the choice reads scores + a per-expert correction bias (the gates never do), searched only
+  in the `topk_group` best of `n_group` groups; gates are the chosen unbiased scores
+  (renormalised with `norm_topk_prob`) times `routed_scaling_factor`. The bias is a parameter
+  no gradient reaches; DeepSeek's auxiliary-loss-free balancing moves it by expert load
+  (`update_correction_bias`).
+`route` picks the kind `ModelConfig.router` names and also returns the kind's own choice
+before replay (the learner's live routing for the mismatch metrics).
 
 The auxiliary losses (`load_balance_loss` over the softmax probabilities, `z_loss` over the
 logits) and `routing_flip_rate` (how often two routings of the same tokens differ) read the
@@ -32,16 +40,21 @@ def router_logits(x_NxD: jax.Array, kernel_DxE) -> jax.Array:
 
 
 class Router(nn.Module):
-    """Holds the router kernel [D, E]; returns fp32 logits."""
+    """Holds the router kernel [D, E] (and, for the sigmoid kind, the correction bias [E],
+    kept fp32); returns fp32 logits and the bias (None for the softmax kind)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_NxD: jax.Array) -> jax.Array:
+    def __call__(self, x_NxD: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         c = self.config
         kernel = weight(self, "kernel", nn.initializers.normal(c.init_std),
                         (x_NxD.shape[-1], c.n_experts), ("embed", None), c.param_dtype)
-        return router_logits(x_NxD, kernel)
+        bias_E = None
+        if c.router == "sigmoid_group":
+            bias_E = weight(self, "e_score_correction_bias", nn.initializers.zeros,
+                            (c.n_experts,), (None,), jnp.float32)
+        return router_logits(x_NxD, kernel), bias_E
 
 
 # ---- router replay (every kind) ------------------------------------------------------------------
@@ -78,15 +91,113 @@ def select_experts(
     return idx_Nxk.astype(jnp.int32), weights_Nxk
 
 
+# ---- the sigmoid group-limited router ----------------------------------------------------------
+def select_sigmoid_group(
+    logits_NxE: jax.Array,
+    bias_E: jax.Array,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    replay_Nxk: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sigmoid group-limited router (DeepSeek-V3 `noaux_tc`, GLM-4.5). Returns (experts used
+    [N, k], their gates [N, k], the router's own choice [N, k] before replay).
+
+    choice_e = sigmoid(logit_e) + bias_e; each of the `n_group` groups of E / n_group experts
+    scores the sum of its two largest choice values, and the k experts are the largest choice
+    values within the `topk_group` best groups. Gates: sigmoid(logit) at the experts used (the
+    recorded ones under replay), over their sum (+1e-20, as transformers) when
+    `norm_topk_prob`, times `scaling`. The bias only orders the experts: no gradient reaches it.
+    """
+    n, e = logits_NxE.shape
+    scores_NxE = jax.nn.sigmoid(logits_NxE.astype(jnp.float32))
+    choice_NxE = jax.lax.stop_gradient(scores_NxE + bias_E)  # orders experts only
+    if n_group > 1:
+        grouped_NxGxS = choice_NxE.reshape(n, n_group, e // n_group)
+        group_scores_NxG = jnp.sum(jax.lax.top_k(grouped_NxGxS, 2)[0], axis=-1)
+        _, groups_Nxg = jax.lax.top_k(group_scores_NxG, topk_group)
+        keep_NxG = jnp.any(groups_Nxg[:, :, None] == jnp.arange(n_group), axis=1)
+        keep_NxE = jnp.repeat(keep_NxG, e // n_group, axis=1)
+        choice_NxE = jnp.where(keep_NxE, choice_NxE, -jnp.inf)
+    _, own_Nxk = jax.lax.top_k(choice_NxE, top_k)
+    idx_Nxk = apply_replay(own_Nxk, replay_Nxk, e)
+    weights_Nxk = jnp.take_along_axis(scores_NxE, idx_Nxk, axis=-1)
+    if norm_topk_prob:
+        weights_Nxk = weights_Nxk / (jnp.sum(weights_Nxk, axis=-1, keepdims=True) + 1e-20)
+    return idx_Nxk.astype(jnp.int32), weights_Nxk * scaling, own_Nxk.astype(jnp.int32)
+
+
+def update_correction_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, sec. 2.1.2): after a
+    step, each expert's bias moves by `rate` towards balance: down when its load (tokens routed
+    to it) is above the mean load over experts, up when below, unchanged at the mean."""
+    load_E = load_E.astype(jnp.float32)
+    return bias_E + rate * jnp.sign(jnp.mean(load_E) - load_E)
+
+
+def expert_load(routed_experts_NxMxk: jax.Array, n_experts: int,
+                mask_N: jax.Array | None = None) -> jax.Array:
+    """Tokens routed to each expert per MoE layer, [M, E] (padding excluded through `mask_N`)."""
+    w_N = (jnp.ones(routed_experts_NxMxk.shape[0]) if mask_N is None
+           else mask_N.astype(jnp.float32))
+    onehot_NxMxkxE = jax.nn.one_hot(routed_experts_NxMxk, n_experts, dtype=jnp.float32)
+    return jnp.einsum("nmke,n->me", onehot_NxMxkxE, w_N)
+
+
+def update_router_biases(config: ModelConfig, params: dict, routed_experts_BxTxMxk: jax.Array,
+                         weights_BxT: jax.Array | None = None) -> dict:
+    """`params` with every MoE layer's correction bias moved by `update_correction_bias` at
+    rate `config.router_bias_update_rate`, from the expert loads of a batch's routing
+    (`ModelOutput.routed_experts`, or a rollout's recording; `weights_BxT` 0 on padding).
+    Unchanged (the same object) when the rate is 0, the default: the bias is frozen."""
+    c = config
+    if c.router != "sigmoid_group" or not c.router_bias_update_rate or not c.n_moe_layers:
+        return params
+    b, t, m, k = routed_experts_BxTxMxk.shape
+    mask_N = None if weights_BxT is None else weights_BxT.reshape(b * t)
+    load_MxE = expert_load(routed_experts_BxTxMxk.reshape(b * t, m, k), c.n_experts, mask_N)
+    params = dict(params)
+    for j, i in enumerate(c.moe_layers):
+        layer = params[f"layers_{i}"]
+        moe = layer["moe"]
+        bias = update_correction_bias(moe["router"]["e_score_correction_bias"], load_MxE[j],
+                                      c.router_bias_update_rate)
+        params[f"layers_{i}"] = {**layer, "moe": {**moe, "router": {
+            **moe["router"], "e_score_correction_bias": bias}}}
+    return params
+
+
+# ---- the kinds by name ---------------------------------------------------------------------------
+def route(config: ModelConfig, logits_NxE: jax.Array, bias_E: jax.Array | None,
+          replay_Nxk: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`config.router`'s kind: (experts used, gates, the kind's own choice before replay)."""
+    c = config
+    if c.router == "sigmoid_group":
+        return select_sigmoid_group(logits_NxE, bias_E, c.top_k, c.n_group, c.topk_group,
+                                    c.norm_topk_prob, c.routed_scaling_factor, replay_Nxk)
+    idx_Nxk, weights_Nxk = select_experts(logits_NxE, c.top_k, c.norm_topk_prob, replay_Nxk)
+    own_Nxk = jax.lax.top_k(jax.lax.stop_gradient(logits_NxE), c.top_k)[1].astype(jnp.int32)
+    return idx_Nxk, weights_Nxk, own_Nxk
+
+
 # ---- auxiliary losses ----------------------------------------------------------------------------
 def load_balance_loss(
-    logits_NxE: jax.Array, idx_Nxk: jax.Array, mask_N: jax.Array | None = None
+    logits_NxE: jax.Array, idx_Nxk: jax.Array, mask_N: jax.Array | None = None,
+    scoring: str = "softmax",
 ) -> jax.Array:
     """Switch-style load balancing, as HF `load_balancing_loss_func` (per layer):
     E * sum_e f_e * p_e, f_e = fraction of tokens routed to e (sums to k over e), p_e = mean
-    router probability of e. Perfectly uniform routing gives E * E * (k/E) * (1/E) = k."""
+    router probability of e. Perfectly uniform routing gives E * E * (k/E) * (1/E) = k.
+    `scoring` "sigmoid": p are the sigmoid scores normalised over experts (DeepSeek-V3's
+    balance loss)."""
     e = logits_NxE.shape[-1]
-    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    if scoring == "sigmoid":
+        scores_NxE = jax.nn.sigmoid(logits_NxE.astype(jnp.float32))
+        probs_NxE = scores_NxE / jnp.sum(scores_NxE, axis=-1, keepdims=True)
+    else:
+        probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
     chosen_NxE = jnp.sum(jax.nn.one_hot(idx_Nxk, e, dtype=jnp.float32), axis=1)
     w_N = jnp.ones(probs_NxE.shape[0]) if mask_N is None else mask_N.astype(jnp.float32)
     denom = jnp.maximum(jnp.sum(w_N), 1.0)

@@ -18,7 +18,10 @@ import jax.numpy as jnp
 from espo_jax.models import quant
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.layers import Attention, Mlp, dense, rms_norm, weight
+from espo_jax.models.mla import LatentAttention, latent_cache_shapes
 from espo_jax.models.moe import MoeBlock
+
+ATTENTION_MODULES = {"gqa": Attention, "mla": LatentAttention}
 
 
 @flax.struct.dataclass
@@ -31,6 +34,9 @@ class ModelOutput:
     hidden: jax.Array | None  # [B, T, D]
     router_logits: tuple[jax.Array, ...]  # M arrays [B, T, E] float32
     routed_experts: jax.Array  # int32 [B, T, M, k], the experts actually used
+    # int32 [B, T, M, k]: the experts the router kind itself chooses from these inputs (equal
+    # to routed_experts without replay; under replay the learner's own live choice)
+    own_experts: jax.Array
     aux_loss: jax.Array  # aux_loss_coef * load balance + z_loss_coef * z-loss (layer means)
     metrics: dict[str, jax.Array]
     cache: dict | None = None
@@ -46,15 +52,15 @@ class Block(nn.Module):
     def __call__(self, x_BxTxD, positions_BxT, segments_BxT, replay_BxTxk, cache,
                  cache_mask_BxS, weights_BxT=None):
         c = self.config
-        h, new_cache = Attention(c, name="attn")(
+        h, new_cache = ATTENTION_MODULES[c.attention](c, name="attn")(
             rms_norm(c, "attn_norm")(x_BxTxD), positions_BxT, segments_BxT, cache, cache_mask_BxS
         )
         x_BxTxD = x_BxTxD + h
         y = rms_norm(c, "mlp_norm")(x_BxTxD)
         if self.moe:
             weights = segments_BxT > 0 if weights_BxT is None else weights_BxT
-            y, logits, experts, stats = MoeBlock(c, name="moe")(y, replay_BxTxk, weights)
-            routing = (logits, experts, stats)
+            y, logits, experts, own, stats = MoeBlock(c, name="moe")(y, replay_BxTxk, weights)
+            routing = (logits, experts, stats, own)
         else:
             y, routing = Mlp(c, c.d_ff, name="mlp")(y), None
         return x_BxTxD + y, new_cache, routing
@@ -93,7 +99,7 @@ class Transformer(nn.Module):
         c = self.config
         embed = Embed(c, name="embed")
         x = _constrain(embed(tokens_BxT))
-        new_cache, logits_list, experts_list, stats_list = {}, [], [], []
+        new_cache, logits_list, experts_list, stats_list, own_list = {}, [], [], [], []
         for i in range(c.n_layers):
             m = len(experts_list)
             moe = c.is_moe_layer(i)
@@ -110,6 +116,7 @@ class Transformer(nn.Module):
                 logits_list.append(routing[0])
                 experts_list.append(routing[1])
                 stats_list.append(routing[2])
+                own_list.append(routing[3])
         hidden = rms_norm(c, "final_norm")(x)
         logits = None
         if return_logits:
@@ -118,7 +125,7 @@ class Transformer(nn.Module):
             else:
                 logits = dense(c, c.vocab_size, ("embed", "vocab"), "lm_head")(hidden)
             logits = logits.astype(jnp.float32)
-        return hidden, logits, logits_list, experts_list, stats_list, (
+        return hidden, logits, logits_list, experts_list, own_list, stats_list, (
             new_cache if cache is not None else None)
 
 
@@ -189,19 +196,19 @@ def forward(
         missing = [f"layers_{i}" for i in range(config.n_layers) if f"layers_{i}" not in cache]
         if missing:
             raise ValueError(f"cache lacks entries for {missing}; build it with init_cache")
-        s = cache["layers_0"]["v"].shape[2]
+        s = cache_length(cache)
         _check_shape("cache_mask_BxS", cache_mask_BxS, (b, s))
         cache_mask_BxS = jnp.asarray(cache_mask_BxS).astype(bool)
-    hidden, logits, r_logits, experts, stats, new_cache = Transformer(config).apply(
+    hidden, logits, r_logits, experts, own, stats, new_cache = Transformer(config).apply(
         {"params": params}, tokens_BxT, jnp.asarray(positions_BxT), segments_BxT,
         routed_experts_BxTxMxk, cache, cache_mask_BxS, return_logits,
         None if token_weights_BxT is None else jnp.asarray(token_weights_BxT, jnp.float32),
     )
     if experts:
-        routed = jnp.stack(experts, axis=2)
+        routed, own_routed = jnp.stack(experts, axis=2), jnp.stack(own, axis=2)
         mean = {k: jnp.mean(jnp.stack([s[k] for s in stats])) for k in stats[0]}
     else:
-        routed = jnp.zeros((b, t, 0, config.top_k), jnp.int32)
+        routed = own_routed = jnp.zeros((b, t, 0, config.top_k), jnp.int32)
         mean = {k: jnp.zeros((), jnp.float32) for k in
                 ("load_balance_loss", "z_loss", "dropped_frac")}
     aux = config.aux_loss_coef * mean["load_balance_loss"] + config.z_loss_coef * mean["z_loss"]
@@ -210,6 +217,7 @@ def forward(
         hidden=hidden if return_hidden else None,
         router_logits=tuple(r_logits),
         routed_experts=routed,
+        own_experts=own_routed,
         aux_loss=aux,
         metrics={f"moe/{k}": v for k, v in mean.items()},
         cache=new_cache,
@@ -242,12 +250,24 @@ def lm_head_kernel(config: ModelConfig, params: dict, dtype: Any = None) -> jax.
     return quant.maybe_dequant(params["lm_head"]["kernel"], dtype)
 
 
+def cache_length(cache: dict) -> int:
+    """S, the slots of a cache from `init_cache` (either attention kind)."""
+    layer = cache["layers_0"]
+    return layer["latent"].shape[1] if "latent" in layer else layer["v"].shape[2]
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:
     """An empty KV cache: {"layers_{i}": {"k": [B, K, A, S], "v": [B, K, S, A]}}, zeros.
     Slot s holds the token at position s; validity is the caller's `cache_mask_BxS`. Kv-head
     major, the keys with the slots minor: a decode step's scores and weighted values are then
-    [G, A] x [A, S] and [G, S] x [S, A] products with no transpose (`layers.attend_keys`)."""
+    [G, A] x [A, S] and [G, S] x [S, A] products with no transpose (`layers.attend_keys`).
+    MLA (`attention == "mla"`): {"latent": [B, S, C], "k_rope": [B, S, R]} per layer, the
+    compressed latent and rope key (`mla`): (C + R) * bytes-per-number per token and layer."""
     dtype = dtype or config.dtype
+    if config.attention == "mla":
+        shapes = latent_cache_shapes(config, batch, max_len)
+        return {f"layers_{i}": {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}
+                for i in range(config.n_layers)}
     shape = (batch, config.n_kv_heads, max_len, config.head_dim)
     shape_k = (batch, config.n_kv_heads, config.head_dim, max_len)
     return {f"layers_{i}": {"k": jnp.zeros(shape_k, dtype), "v": jnp.zeros(shape, dtype)}

@@ -34,7 +34,7 @@ FREE, ACTIVE, DONE = 0, 1, 2  # slot phases
 
 @flax.struct.dataclass
 class Prefix:
-    """N prefilled prompts of one padded length P: KV cache [N, P, K, A] per layer."""
+    """N prefilled prompts of one padded length P: a `models.init_cache` of P slots."""
 
     cache: dict
     lengths_N: jax.Array  # int32, true prompt lengths
@@ -58,7 +58,8 @@ class SlotSampling:
 class DecodeState:
     """Everything about the B decode slots; S = max_cache_len."""
 
-    cache: dict  # per layer k [B, K, A, S], v [B, K, S, A] (`models.init_cache`)
+    cache: dict  # per layer k [B, K, A, S], v [B, K, S, A], or MLA's latent [B, S, C] and
+    # rope key [B, S, R] (`models.init_cache`)
     cache_mask_BxS: jax.Array  # True = slot holds a real token of the row's sequence
     tokens_BxS: jax.Array  # prompt then sampled tokens
     logprobs_BxS: jax.Array  # at sampled positions
@@ -126,9 +127,12 @@ def _insert(prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R, sp: Slo
     p, s = prefix.tokens_NxP.shape[1], state.tokens_BxS.shape[1]
     r = slots_R.shape[0]
     n_R = prefix.lengths_N[rows_R]
-    # the prefix's P slots of each layer: the keys' slot axis is 3 ([B, K, A, S]), the values' 2
+    # the prefix's P slots of each layer: the keys' slot axis is 3 ([B, K, A, S]), the values'
+    # 2; MLA's latent and rope key [B, S, N] have it at 1
     put_slots = {"k": lambda c, x: c.at[slots_R, :, :, :p].set(x, mode="drop"),
-                 "v": lambda c, x: c.at[slots_R, :, :p].set(x, mode="drop")}
+                 "v": lambda c, x: c.at[slots_R, :, :p].set(x, mode="drop"),
+                 "latent": lambda c, x: c.at[slots_R, :p].set(x, mode="drop"),
+                 "k_rope": lambda c, x: c.at[slots_R, :p].set(x, mode="drop")}
     cache = {layer: {n: put_slots[n](c, prefix.cache[layer][n][rows_R].astype(c.dtype))
                      for n, c in kv.items()}
              for layer, kv in state.cache.items()}

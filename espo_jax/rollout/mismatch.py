@@ -38,7 +38,7 @@ def _learner_logp(config: ModelConfig, params, tokens_BxT, valid_BxT, replay: bo
     logp_BxTxV = jax.nn.log_softmax(out.logits[:, :-1].astype(jnp.float32), axis=-1)
     logp_BxT1 = jnp.take_along_axis(logp_BxTxV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
     if out.router_logits:  # the learner's own choice, given the same upstream inputs
-        natural = mismatch.own_routing(jnp.stack(out.router_logits, axis=2), config.top_k)
+        natural = out.own_experts
     else:
         natural = jnp.zeros(experts.shape, jnp.int32)
     return logp_BxT1, natural

@@ -147,6 +147,13 @@ class Learner:
             out_shardings=(state_shardings, replicated),
             donate_argnums=(0,), compiler_options=options,
         )
+        self._bias_update = None  # DeepSeek's auxiliary-loss-free balancing, when configured
+        if model_config.router == "sigmoid_group" and model_config.router_bias_update_rate:
+            self._bias_update = jax.jit(
+                functools.partial(step_lib.router_bias_update, model_config=model_config),
+                in_shardings=(state_shardings, None), out_shardings=state_shardings,
+                donate_argnums=(0,), compiler_options=options,
+            )
         self._compiled: dict[tuple, object] = {}  # (name, input shapes) -> executable
         self.memory_report: dict[str, dict[str, int]] = {}  # per compiled update step
 
@@ -342,6 +349,8 @@ class Learner:
                 rl, anchor_out = out[:len(parts)], out[len(parts):]
                 state, m = self._run_compiled("apply_parts", self._apply_parts, state,
                                               tuple(rl), tuple(anchor_out) or None)
+            if self._bias_update is not None:  # after the step, from its rows' expert loads
+                state = self._run_compiled("bias_update", self._bias_update, state, tuple(parts))
             metrics.append(m)
         merged: dict[str, list] = {}
         for m in jax.device_get(metrics):

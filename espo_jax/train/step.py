@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from espo_jax import mismatch, models
+from espo_jax.models import router
 from espo_jax.rl import logprobs as rl_logprobs
 from espo_jax.rl import losses
 from espo_jax.rl.advantages import zvp_token_advantages
@@ -100,9 +101,8 @@ def old_policy_metrics(logp, ent, out, batch: RLBatch):
     routing against the recorded one) and its mean entropy. Returns (metrics, own_routing):
     the experts the learner's own live router chooses (None without MoE layers)."""
     own = None
-    if out.routed_experts is not None and out.router_logits:
-        own = mismatch.own_routing(jnp.stack(out.router_logits, axis=2),
-                                   out.routed_experts.shape[-1])
+    if out.own_experts is not None and out.router_logits:
+        own = out.own_experts
     routing, flipped = {}, None
     if own is not None and batch.routed_experts is not None:
         # Routing lives on the model's rows; `logp` on one row per sequence when packed.
@@ -259,6 +259,20 @@ def _finish_update(state: TrainState, loss, grads, metrics, anchor=None, *,
     metrics["train/grad_norm"] = _global_norm(grads)
     metrics["train/skipped_update"] = skipped
     return state, metrics
+
+
+def router_bias_update(state: TrainState, parts, *, model_config) -> TrainState:
+    """`state` with the MoE correction biases moved by DeepSeek's auxiliary-loss-free rule
+    (`models.router.update_router_biases`, `ModelConfig.router_bias_update_rate`) from the
+    expert loads of an update's rows (`parts`: its RLBatches), as their rollouts routed them
+    (`RLBatch.routed_experts`; the experts the update's forward used under R3)."""
+    if any(b.routed_experts is None for b in parts):
+        raise ValueError("router_bias_update_rate > 0 needs the rollouts' recorded routing "
+                         "(RLBatch.routed_experts)")
+    routed = jnp.concatenate([b.routed_experts for b in parts])
+    weights = jnp.concatenate([(b.segment_ids > 0).astype(jnp.float32) for b in parts])
+    return state.replace(params=router.update_router_biases(model_config, state.params, routed,
+                                                            weights))
 
 
 def _anchor_needed(anchor_coef: float, anchor_batch) -> bool:

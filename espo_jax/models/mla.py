@@ -1,0 +1,110 @@
+"""DeepSeek-V3 multi-head latent attention (MLA), as transformers' `DeepseekV3Attention`.
+
+Per token (H heads, C = kv_lora_rank, R = qk_rope_head_dim, P = qk_nope_head_dim, Dv =
+v_head_dim):
+- queries: x -> q_proj [H * (P + R)], or through a low rank, x -> q_a_proj [q_lora_rank] ->
+  RMSNorm -> q_b_proj [H * (P + R)]; each head's last R dims get RoPE.
+- keys and values from one compressed latent: x -> kv_a_proj [C + R]; the first C dims, after
+  an RMSNorm, are the latent, the last R one RoPE key shared by all heads. kv_b_proj maps the
+  latent to each head's P key dims and Dv value dims; a head's key is [its P dims, the shared
+  rope key].
+- softmax scale 1 / sqrt(P + R), times mscale^2 under YaRN with mscale_all_dim (`rope`).
+The RoPE layout is `ModelConfig.rope_interleave` (DeepSeek checkpoints: interleaved pairs).
+
+The KV cache holds the latent and the rotated rope key per token, not the heads' keys and
+values: (C + R) numbers per token and layer against H * (P + R + Dv) for the expanded heads
+(DeepSeek-V3: 512 + 64 = 576 against 128 * 320 = 40960, 1152 against 81920 bytes in bf16). Each
+step expands the cached latents through kv_b_proj (`init_cache`'s "latent" and "k_rope").
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from espo_jax.models.config import ModelConfig
+from espo_jax.models.layers import RMSNorm, attend, dense
+from espo_jax.models.rope import rotate, softmax_scale_factor
+
+# transformers builds the q_a and kv_a RMSNorms with their default eps, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def latent_cache_shapes(config: ModelConfig, batch: int, max_len: int) -> dict[str, tuple]:
+    """Shapes of one layer's MLA cache: the normed latent [B, S, C] and the rope key [B, S, R]."""
+    return {"latent": (batch, max_len, config.kv_lora_rank),
+            "k_rope": (batch, max_len, config.qk_rope_head_dim)}
+
+
+def _write(cache_BxSxN: jax.Array, new_BxTxN: jax.Array, slots_BxT: jax.Array) -> jax.Array:
+    """Row b's T new entries at slots `slots_BxT[b]`; slots >= S are dropped."""
+    b_idx = jnp.arange(new_BxTxN.shape[0])[:, None]
+    return cache_BxSxN.at[b_idx, slots_BxT].set(new_BxTxN.astype(cache_BxSxN.dtype),
+                                                 mode="drop")
+
+
+class LatentAttention(nn.Module):
+    """MLA with a causal, segment-aware mask as `layers.Attention` (same arguments, same cache
+    contract: slot s holds position s; validity is the caller's `cache_mask_BxS`)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_BxT: jax.Array,
+        segments_BxT: jax.Array,
+        cache: dict | None = None,
+        cache_mask_BxS: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict | None]:
+        c = self.config
+        b, t, _ = x_BxTxD.shape
+        h, p, r, dv, lat = (c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                            c.kv_lora_rank)
+        valid_BxT = segments_BxT > 0
+        if c.q_lora_rank:
+            q = dense(c, c.q_lora_rank, ("embed", None), "q_a_proj")(x_BxTxD)
+            q = RMSNorm(LATENT_NORM_EPS, c.dtype, c.param_dtype, name="q_a_norm")(q)
+            q = dense(c, h * (p + r), (None, "heads"), "q_b_proj")(q)
+        else:
+            q = dense(c, h * (p + r), ("embed", "heads"), "q_proj")(x_BxTxD)
+        q_BxTxHxQ = q.reshape(b, t, h, p + r)
+        q_BxTxHxQ = jnp.concatenate(
+            [q_BxTxHxQ[..., :p], rotate(c, q_BxTxHxQ[..., p:], positions_BxT)], axis=-1)
+        kv = dense(c, lat + r, ("embed", None), "kv_a_proj")(x_BxTxD)
+        latent_BxTxC = RMSNorm(LATENT_NORM_EPS, c.dtype, c.param_dtype,
+                               name="kv_a_norm")(kv[..., :lat])
+        k_rope_BxTxR = rotate(c, kv[..., None, lat:], positions_BxT)[:, :, 0]
+
+        new_cache = None
+        if cache is None:
+            key_pos_BxS, key_valid_BxS, key_segments_BxS = positions_BxT, valid_BxT, segments_BxT
+        else:
+            s = cache["latent"].shape[1]
+            slots_BxT = jnp.where(valid_BxT, positions_BxT, s)  # padding is not written
+            new_cache = {"latent": _write(cache["latent"], latent_BxTxC, slots_BxT),
+                         "k_rope": _write(cache["k_rope"], k_rope_BxTxR, slots_BxT)}
+            latent_BxTxC = new_cache["latent"].astype(c.dtype)
+            k_rope_BxTxR = new_cache["k_rope"].astype(c.dtype)
+            key_pos_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
+            written_BxS = _write(jnp.zeros((b, s), bool), jnp.ones((b, t), bool), slots_BxT)
+            key_valid_BxS = cache_mask_BxS | written_BxS
+            key_segments_BxS = None  # a cache row holds one sequence
+
+        n_keys = latent_BxTxC.shape[1]
+        kv_BxSxHxF = dense(c, h * (p + dv), (None, "heads"), "kv_b_proj")(latent_BxTxC).reshape(
+            b, n_keys, h, p + dv)
+        k_rope_BxSxHxR = jnp.broadcast_to(k_rope_BxTxR[:, :, None, :], (b, n_keys, h, r))
+        keys_BxSxHxQ = jnp.concatenate([kv_BxSxHxF[..., :p], k_rope_BxSxHxR], axis=-1)
+        scale = softmax_scale_factor(c)
+        if scale != 1.0:  # attend_keys scales by 1 / sqrt(P + R); the YaRN factor on top
+            q_BxTxHxQ = q_BxTxHxQ * jnp.asarray(scale, q_BxTxHxQ.dtype)
+        out_BxTxHx1xV = attend(
+            c, q_BxTxHxQ[:, :, :, None], positions_BxT, segments_BxT, cache is None,
+            keys_BxKxSxA=jnp.swapaxes(keys_BxSxHxQ, 1, 2), keys_BxKxAxS=None,
+            values_BxKxSxA=jnp.swapaxes(kv_BxSxHxF[..., p:], 1, 2), key_pos_BxS=key_pos_BxS,
+            key_valid_BxS=key_valid_BxS, key_segments_BxS=key_segments_BxS)
+        out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxHx1xV.reshape(b, t, h * dv))
+        return out, new_cache
