@@ -16,7 +16,11 @@ github.com/vllm-project/vllm at commit 003d3ee22261b7937258b7531aee00e10393f1d6)
   "stop" | "length" | "abort" | "error" | "repetition", None while unfinished.
 - `CompletionOutput.routed_experts` (with `LLM(enable_return_routed_experts=True)`): one numpy
   array `[P + T - 1, moe_layers, top_k]`, dtype uint8 when experts <= 256 else uint16 (the
-  routed-experts capturer, `model_executor/layers/fused_moe/routed_experts_capturer.py`). It
+  routed-experts capturer, `model_executor/layers/fused_moe/routed_experts_capturer.py`). Its
+  layer axis is indexed by decoder layer id: the capturer's buffer has `num_hidden_layers`
+  columns and each MoE layer writes its own (`capture(layer_id, topk_ids)`), so a model with
+  dense layers (DeepSeek-V3's and GLM-4.5's `first_k_dense_replace`) gets all-zero columns for
+  them; `moe_layer_ids` picks the MoE layers' columns, the M axis the learner replays. It
   covers the prompt and every generated token that was fed forward: the aux-output connector
   (`distributed/aux_output_connector/connector.py`, `take_output`) stops at
   `num_tokens - 1`, because the last sampled token never went through the model. Only the
@@ -77,6 +81,7 @@ def request_output_to_generations(
     top_k: int | None = None,
     expect_routing: bool = True,
     n_samples: int | None = None,
+    moe_layer_ids: Sequence[int] | None = None,
 ) -> GenerationGroup:
     """The `batching.GenerationGroup` of one finished vLLM `RequestOutput` (one prompt, its G
     samples in `index` order): what a sampler returns (`vllm_worker.VllmSampler`).
@@ -89,6 +94,9 @@ def request_output_to_generations(
       expect_routing: routing capture was requested; a sample without it raises
         `RoutingMissingError`. With False, routing is kept when present and None otherwise.
       n_samples: when given, the number of completions the request asked for (`n`).
+      moe_layer_ids: when given, the decoder layer ids of the MoE layers, ascending: routing
+        with a column per decoder layer (vLLM's capturer, module doc) keeps these columns only;
+        routing with exactly len(moe_layer_ids) columns is taken as already per MoE layer.
 
     Raises:
       VllmOutputError (or its subclass RoutingMissingError) naming the field and the numbers.
@@ -115,6 +123,7 @@ def request_output_to_generations(
             routed = _routing(
                 c.routed_experts, prompt_routing, split, len(prompt), len(tokens),
                 n_experts=n_experts, moe_layers=moe_layers, top_k=top_k, where=where,
+                moe_layer_ids=moe_layer_ids,
             )
         responses.append(
             Generation(
@@ -139,13 +148,14 @@ def request_output_to_group(
     expect_routing: bool = True,
     created_at: float | None = None,
     meta: dict[str, Any] | None = None,
+    moe_layer_ids: Sequence[int] | None = None,
 ) -> RolloutGroup:
     """The (unscored) `RolloutGroup` of one finished vLLM `RequestOutput`: the conversion of
     `request_output_to_generations`, with `policy_version`, `sampler`, `created_at` (default
     now) and `meta` copied in, checked as a record (`RolloutGroup.validate`)."""
     gen = request_output_to_generations(
         output, prompt_id=prompt_id, n_experts=n_experts, moe_layers=moe_layers, top_k=top_k,
-        expect_routing=expect_routing)
+        expect_routing=expect_routing, moe_layer_ids=moe_layer_ids)
     group = RolloutGroup(
         prompt_id=prompt_id,
         prompt_tokens=gen.prompt_tokens,
@@ -223,6 +233,7 @@ def _routing(
     moe_layers: int | None,
     top_k: int | None,
     where: str,
+    moe_layer_ids: Sequence[int] | None = None,
 ) -> np.ndarray:
     """int16 [P + T, M, k] from either vLLM layout, -1 on rows vLLM did not return."""
     if routed is None or (split and prompt_routed is None):
@@ -230,9 +241,11 @@ def _routing(
         raise RoutingMissingError(f"{missing} is None. {ROUTING_MISSING_HINT}")
     parts = [(np.asarray(prompt_routed), "prompt_routed_experts")] if split else []
     parts.append((np.asarray(routed), f"{where}.routed_experts"))
-    for arr, name in parts:
+    for i, (arr, name) in enumerate(parts):
         if arr.ndim != 3:
             raise VllmOutputError(f"{name} has shape {arr.shape}, expected [tokens, layers, top_k]")
+        parts[i] = (_moe_columns(arr, moe_layer_ids, name), name)
+    for arr, name in parts:
         if arr.size and arr.dtype.kind not in "iu":
             raise VllmOutputError(f"{name} must hold integer expert ids, got {arr.dtype}")
         expected_tail = (moe_layers or arr.shape[1], top_k or arr.shape[2])
@@ -267,6 +280,27 @@ def _routing(
     full = np.full((p + t, *rows.shape[1:]), -1, np.int16)
     full[: rows.shape[0]] = rows
     return full
+
+
+def _moe_columns(arr: np.ndarray, moe_layer_ids: Sequence[int] | None, name: str) -> np.ndarray:
+    """`arr` [N, L, k] with one column per decoder layer -> [N, M, k], the MoE layers' columns
+    (`moe_layer_ids`; the others must be all 0, as vLLM leaves them); an array with M columns
+    already is returned as it is."""
+    if moe_layer_ids is None or arr.shape[1] == len(moe_layer_ids):
+        return arr
+    ids = list(moe_layer_ids)
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or arr.shape[1] <= ids[-1]:
+        raise VllmOutputError(
+            f"{name} has {arr.shape[1]} layer columns: neither one per MoE layer "
+            f"({len(ids)}) nor one per decoder layer holding the MoE layers {ids}"
+        )
+    dense = np.delete(arr, ids, axis=1)
+    if dense.size and dense.any():  # the capturer leaves layers that route nothing at 0
+        routed = sorted(set(range(arr.shape[1])) - set(ids))
+        routed = [j for j, col in zip(routed, np.moveaxis(dense, 1, 0), strict=True) if col.any()]
+        raise VllmOutputError(f"{name} has expert ids in decoder layers {routed}, which the "
+                              f"model's config makes dense (MoE layers: {ids})")
+    return arr[:, ids]
 
 
 # ---- recorded outputs: plain JSON-able dicts, replayable without vLLM ---------------------------

@@ -56,25 +56,36 @@ from espo_jax.rollout.vllm_support import (  # noqa: F401 (VllmUnavailableError:
 
 @dataclasses.dataclass(frozen=True)
 class MoeShape:
-    """Routing shape of an HF MoE checkpoint: what `routed_experts` rows must look like."""
+    """Routing shape of an HF MoE checkpoint: what `routed_experts` rows must look like.
+    `layer_ids`: the decoder layers that are MoE (vLLM's capture has a column per decoder
+    layer; `vllm_convert` keeps these)."""
 
     n_experts: int
     moe_layers: int
     top_k: int
+    layer_ids: tuple[int, ...] = ()
 
 
 def moe_shape(hf_dir: str) -> MoeShape | None:
-    """From `config.json` (Qwen3-MoE / Qwen2-MoE fields); None for a dense model."""
+    """From `config.json`; None for a dense model. Qwen3-MoE / Qwen2-MoE: `num_experts`,
+    `decoder_sparse_step`, `mlp_only_layers`; DeepSeek-V3 / GLM-4.5: `n_routed_experts`, the
+    first `first_k_dense_replace` layers dense, then every `moe_layer_freq`-th (vLLM's
+    `deepseek_v2.py` / `glm4_moe.py` rule: layer_idx % moe_layer_freq == 0)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf = json.load(f)
-    n_experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
-    if n_experts == 0:
-        return None
-    step = hf.get("decoder_sparse_step", 1) or 1
-    dense = set(hf.get("mlp_only_layers") or [])
     layers = hf["num_hidden_layers"]
-    moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
-    return MoeShape(int(n_experts), len(moe), int(hf["num_experts_per_tok"]))
+    if "n_routed_experts" in hf:
+        n_experts = hf["n_routed_experts"] or 0
+        first, freq = hf.get("first_k_dense_replace") or 0, hf.get("moe_layer_freq") or 1
+        moe = [i for i in range(layers) if i >= first and i % freq == 0]
+    else:
+        n_experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+        step = hf.get("decoder_sparse_step", 1) or 1
+        dense = set(hf.get("mlp_only_layers") or [])
+        moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    if n_experts == 0 or not moe:
+        return None
+    return MoeShape(int(n_experts), len(moe), int(hf["num_experts_per_tok"]), tuple(moe))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,12 +267,12 @@ class VllmSampler:
         have the MoE shape of the version's own config before vLLM loads it)."""
         hf_dir = hf_export_dir(version, path)
         shape = moe_shape(hf_dir)
-        got = (shape.n_experts, shape.moe_layers, shape.top_k) if shape else None
-        want = ((model_config.n_experts, model_config.n_moe_layers, model_config.top_k)
+        got = (shape.n_experts, shape.layer_ids, shape.top_k) if shape else None
+        want = ((model_config.n_experts, tuple(model_config.moe_layers), model_config.top_k)
                 if model_config.n_moe_layers else None)
         if got != want:
-            raise ValueError(f"{hf_dir}/config.json has (experts, MoE layers, top-k) {got} but "
-                             f"the version's config.json {want}: a broken hf/ export")
+            raise ValueError(f"{hf_dir}/config.json has (experts, MoE layer ids, top-k) {got} "
+                             f"but the version's config.json {want}: a broken hf/ export")
         if self.worker is None:
             self.worker = VllmWorker(hf_dir, version, self.config)
         else:
@@ -298,6 +309,7 @@ class VllmSampler:
                 n_experts=w.shape.n_experts if w.shape else None,
                 moe_layers=w.shape.moe_layers if w.shape else None,
                 top_k=w.shape.top_k if w.shape else None,
+                moe_layer_ids=w.shape.layer_ids if w.shape else None,
                 expect_routing=c.capture_routing, n_samples=n)
             if g.prompt_tokens.tolist() != prompts[i]["prompt_token_ids"]:
                 raise VllmOutputError(f"request {i} (prompt {r.prompt_id!r}): vLLM returned "

@@ -275,8 +275,8 @@ def test_vllm_sampler_groups_seeds_and_reload(tmp_path, monkeypatch):
     model = get_preset("tiny")  # 2 MoE layers, top-2 of 8 experts: the hf/config.json's shape
     with pytest.raises(FileNotFoundError, match="version 1 at .* has no hf/ export.*hf_export"):
         sampler.load(1, published(tmp_path / "a", 1, hf=False), model)
-    with pytest.raises(ValueError, match=r"\(8, 2, 2\) but the version's config.json "
-                                         r"\(8, 2, 1\): a broken hf/ export"):
+    with pytest.raises(ValueError, match=r"\(8, \(0, 1\), 2\) but the version's config.json "
+                                         r"\(8, \(0, 1\), 1\): a broken hf/ export"):
         sampler.load(1, published(tmp_path / "b", 1), model.replace(top_k=1))
     assert not RecordedLLM.built  # both refused before vLLM was asked for anything
     sampler.load(1, published(tmp_path, 1), model)
@@ -319,3 +319,112 @@ def test_vllm_sampler_groups_seeds_and_reload(tmp_path, monkeypatch):
     sampler.request_stop()  # a call that has not started returns nothing
     assert sampler.generate_groups(requests, rng=rng) == []
     assert len(RecordedLLM.built[1].calls) == 1
+
+
+# ---- DeepSeek-V3 and GLM-4.5: dense first layers, vLLM's per-decoder-layer capture --------------
+def family_config(family: str):
+    """3 layers, the first dense (`first_k_dense_replace` = 1): MoE layers 1 and 2, top-2 of 8
+    experts in 4 groups (2 searched), one shared expert; MLA for DeepSeek-V3, GQA with partial
+    rotary, q/k norm and bias for GLM-4.5."""
+    from espo_jax.models.config import get_preset
+
+    common = dict(n_layers=3, first_k_dense=1, router="sigmoid_group", n_group=4, topk_group=2,
+                  n_shared_experts=1, routed_scaling_factor=2.5, aux_loss_coef=0.0)
+    if family == "deepseek_v3":
+        return get_preset("tiny", attention="mla", n_kv_heads=4, head_dim=8, q_lora_rank=24,
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                          v_head_dim=16, rope_interleave=True, qk_norm=False, **common)
+    return get_preset("tiny", head_dim=16, qk_norm=True, qkv_bias=True,
+                      partial_rotary_factor=0.5, **common)
+
+
+def with_correction_bias(params, seed: int = 1):
+    """Every MoE layer's e_score_correction_bias drawn N(0, 0.5): it changes the choices."""
+    import jax
+
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: 0.5 * jax.random.normal(next(keys), x.shape, x.dtype)
+        if path[-1].key == "e_score_correction_bias" else x, params)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_families_export_and_routing_with_dense_layers(tmp_path, monkeypatch, family):
+    import jax
+
+    from espo_jax import models
+    from espo_jax.buffer import weights
+    from espo_jax.models import hf_io
+    from espo_jax.rollout import vllm_worker
+    from espo_jax.rollout.engine import Engine, Request
+    from espo_jax.rollout.mismatch import measure_mismatch
+    from espo_jax.rollout.sampling import SamplingConfig
+
+    config = family_config(family)
+    assert config.moe_layers == (1, 2)
+    params = jax.device_get(with_correction_bias(models.init_params(config, jax.random.key(0))))
+    path = weights.publish(tmp_path / "weights", 1, config, params,
+                           hf_export=hf_io.exporter(config, params), keep=None)
+    hf_dir = vllm_worker.hf_export_dir(1, path)
+    hf = json.loads(open(f"{hf_dir}/config.json").read())
+    assert (hf["model_type"], hf["first_k_dense_replace"], hf["n_routed_experts"]) == (
+        family, 1, 8)
+    # vLLM's rule (deepseek_v2.py / glm4_moe.py): layer i is MoE when i >= first_k_dense_replace.
+    assert vllm_worker.moe_shape(hf_dir) == vllm_worker.MoeShape(8, 2, 2, (1, 2))
+
+    # The embedded engine (fp32) stands in for vLLM: its groups in vLLM 0.32's layout, routing
+    # [P + T - 1, num_hidden_layers = 3, k] with the dense layer 0's column left 0.
+    engine = Engine(config, params, sampling=SamplingConfig(max_new_tokens=5), max_slots=4,
+                    max_cache_len=32)
+    prompts = {"p0": [1, 5, 6, 7], "p1": [1, 9, 4]}
+    ref = engine.generate_groups([Request(k, v) for k, v in prompts.items()], n_samples=2,
+                                 rng=jax.random.key(3))
+    recorded = {}
+    for g in ref:
+        p = len(g.prompt_tokens)
+        outs = []
+        for i, r in enumerate(g.responses):
+            n = p + len(r.tokens) - 1
+            full = np.zeros((n, 3, 2), np.uint8)
+            full[:, 1:] = r.routed_experts[:n]
+            outs.append(CompletionOutput(
+                i, "", r.tokens.tolist(), None,
+                [{int(t): Logprob(float(lp))} for t, lp in zip(r.tokens, r.logprobs, strict=True)],
+                full, r.finish_reason))
+        recorded[tuple(g.prompt_tokens.tolist())] = output_to_dict(
+            RequestOutput(g.prompt_tokens.tolist(), outs))
+    monkeypatch.setattr(sys.modules[__name__], "RECORDED", recorded)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        __version__="0.32.0", LLM=RecordedLLM, TokensPrompt=dict,
+        SamplingParams=types.SimpleNamespace))
+    monkeypatch.setattr(vllm_worker, "check_accelerator", lambda *a: None)
+    monkeypatch.setattr(vllm_worker.VllmWorker, "_on_gpu", staticmethod(lambda: False))
+    sampler = vllm_worker.VllmSampler(vllm_worker.VllmWorkerConfig(
+        n_samples=2, sampling=SamplingConfig(max_new_tokens=5)))
+    sampler.load(1, path, config)
+    got = sampler.generate_groups([Request(k, v) for k, v in prompts.items()],
+                                  rng=jax.random.key(0))
+    groups = []
+    for g, want in zip(got, ref, strict=True):
+        for r, w in zip(g.responses, want.responses, strict=True):
+            # The M = 2 axis of the MoE layers, as the engine recorded it (its last row -1).
+            assert r.routed_experts.shape == (len(want.prompt_tokens) + len(w.tokens), 2, 2)
+            np.testing.assert_array_equal(r.routed_experts, w.routed_experts)
+        groups.append(request_output_to_group(
+            output_from_dict(recorded[tuple(g.prompt_tokens.tolist())]), prompt_id=g.prompt_id,
+            policy_version=1, sampler="vllm-fp32", n_experts=8, moe_layers=2, top_k=2,
+            moe_layer_ids=(1, 2)))
+    # Replaying the recorded routing, the learner reproduces the sampler's log-probs.
+    m = measure_mismatch(config, params, groups, replay=True)
+    assert m["mismatch/logp_abs_max"] < 1e-4 and m["moe/routing_flip_rate"] == 0.0
+
+    bad = recorded[tuple(prompts["p1"])]
+    bad["outputs"][0]["routed_experts"]["values"][0] = 3  # token 0, dense layer 0, slot 0
+    with pytest.raises(VllmOutputError, match=r"expert ids in decoder layers \[0\], which "
+                                              r"the model's config makes dense "
+                                              r"\(MoE layers: \[1, 2\]\)"):
+        convert(output_from_dict(bad), moe_layers=2, moe_layer_ids=(1, 2))
+    with pytest.raises(VllmOutputError, match=r"has 3 layer columns: neither one per MoE "
+                                              r"layer \(2\) nor one per decoder layer "
+                                              r"holding the MoE layers \[1, 3\]"):
+        convert(output_from_dict(bad), moe_layers=2, moe_layer_ids=(1, 3))

@@ -70,9 +70,17 @@ def test_moe_shape_from_config(tmp_path):
            "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     # Layers i with (i + 1) % 2 == 0 are MoE: 1 and 3; 3 is dense by mlp_only_layers -> 1 layer.
-    assert moe_shape(str(tmp_path)) == vllm_worker.MoeShape(n_experts=8, moe_layers=1, top_k=2)
+    assert moe_shape(str(tmp_path)) == vllm_worker.MoeShape(n_experts=8, moe_layers=1, top_k=2,
+                                                            layer_ids=(1,))
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     assert moe_shape(str(tmp_path)) is None
+    # DeepSeek-V3 / GLM-4.5 fields: layers >= first_k_dense_replace with i % moe_layer_freq == 0.
+    ds = {"n_routed_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 6,
+          "first_k_dense_replace": 2, "moe_layer_freq": 1}
+    (tmp_path / "config.json").write_text(json.dumps(ds))
+    assert moe_shape(str(tmp_path)) == vllm_worker.MoeShape(16, 4, 4, (2, 3, 4, 5))
+    (tmp_path / "config.json").write_text(json.dumps(ds | {"moe_layer_freq": 2}))
+    assert moe_shape(str(tmp_path)).layer_ids == (2, 4)
 
 
 def test_config_validation():
