@@ -7,9 +7,9 @@ GLM-4.5-Air architecture (`glm45_air` preset, `espo_jax/models/config.py`): 46 l
 dense (10944 hidden), GQA 96 / 8 heads of 128 with half of each head rotated and a q/k/v bias,
 128 routed experts of 1408 top-8 (sigmoid router, correction bias, no groups, scale 1), one
 shared expert, |V| 151552. Sources: transformers' Glm4MoeConfig defaults, which its docstring
-gives as GLM-4.5-Air's; `attention_bias` true and rope_theta 1e6 from zai-org/GLM-4.5-Air's
-config.json (also slime's glm4.5-106B-A12B launch script: --add-qkv-bias, --rotary-base 1000000,
---rotary-percent 0.5, 1 dense + 45 MoE layers).
+gives as GLM-4.5-Air's; head_dim 128, `attention_bias` true and rope_theta 1e6 from
+zai-org/GLM-4.5-Air's config.json (also slime's glm4.5-106B-A12B launch script: --kv-channels
+128, --add-qkv-bias, --rotary-base 1000000, --rotary-percent 0.5, 1 dense + 45 MoE layers).
 
     # weights: huggingface-cli download zai-org/GLM-4.5-Air --local-dir /models/GLM-4.5-Air
     python -m espo_jax.main --config experiments/glm45_air.py:hf_path=/models/GLM-4.5-Air \\

@@ -306,8 +306,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
     # GLM-4.5-Air (106B, 12B active): transformers' Glm4MoeConfig defaults (46 layers, d 4096,
     # 96 / 8 heads of 128, half rotated, 128 experts of 1408 top 8, one shared, one dense first
-    # layer of 10944, no groups, scale 1, no q/k norm, eps 1e-5, |V| 151552) with the q/k/v bias
-    # (`attention_bias`) and rope_theta 1e6 of zai-org/GLM-4.5-Air's config.json.
+    # layer of 10944, no groups, scale 1, no q/k norm, eps 1e-5, |V| 151552) with head_dim 128,
+    # the q/k/v bias (`attention_bias`) and rope_theta 1e6 of zai-org/GLM-4.5-Air's config.json.
     "glm45_air": dict(
         vocab_size=151552, d_model=4096, n_layers=46, n_heads=96, n_kv_heads=8, head_dim=128,
         d_ff=10944, n_experts=128, top_k=8, d_expert=1408, first_k_dense=1, n_shared_experts=1,
