@@ -26,10 +26,13 @@ tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026
     chunks of 1024, logits in chunks of 512), CPU XLA's buffer assignment: the slices
     "1 dense + 1 MoE layer" and "1 dense + 2 MoE layers" compiled (every layer takes too long
     on a few CPU cores), 7,002,117,575,744 and 7,126,103,851,376 bytes; scaled to 61 layers at
-    the difference per layer: 14,317,307,838,032 bytes (13.0 TiB). This does NOT fit: the MoE
-    dispatch (`moe_dispatch`, ragged) sorts all the mesh's tokens together, so each device
-    holds buffers of the global batch (512k tokens x 8 experts) instead of its own 16k rows; a
-    per-shard dispatch (shard_map with an all-to-all over `expert`) is what the figure asks for.
+    the difference per layer: 14,317,307,838,032 bytes (13.0 TiB). This does NOT fit, for two
+    reasons measured here: the MoE dispatch sorts the assignments of all the mesh's tokens
+    together (the sort is not partitioned: on 8 devices of the tiny preset the ragged
+    dispatch's temporaries grow with the device count, the dense one's do not), and CPU XLA
+    expands `lax.ragged_dot` over every expert group (the 1 + 1 slice on one device with one
+    16k row: 3.7 TB). A per-shard dispatch (shard_map, an all-to-all over `expert`) and a
+    compile for the accelerator are what a usable figure needs.
 
 Laptop-size variant (tiny random DeepSeek-V3 of the same family: MLA, YaRN, groups, shared
 expert, dense first layer; arithmetic, JAX engine, sync loop; what the tests run):

@@ -28,9 +28,12 @@ tests/test_scale_configs.py), from abstract arrays on 32 fake CPU devices (2026-
     of 1024, logits in chunks of 512), CPU XLA's buffer assignment: the slices "1 dense + 1 MoE
     layer" and "1 dense + 2 MoE layers" compiled, 20,215,752,379,648 and 20,545,221,711,472
     bytes; scaled to 46 layers at the difference per layer: 34,712,402,979,904 bytes (31.6 TiB).
-    This does NOT fit: the MoE dispatch (`moe_dispatch`, ragged) sorts all the mesh's tokens
-    together, so each device holds buffers of the global batch (512k tokens x 8 experts)
-    instead of its own row; a per-shard dispatch (shard_map) is what the figure asks for.
+    This does NOT fit, for two reasons measured here: the MoE dispatch sorts the assignments of
+    all the mesh's tokens together (the sort is not partitioned: on 8 devices of the tiny preset
+    the ragged dispatch's temporaries grow with the device count, the dense one's do not), and
+    CPU XLA expands `lax.ragged_dot` over every expert group (DeepSeek-V3's 1 + 1 slice on one
+    device with one 16k row: 3.7 TB). A per-shard dispatch (shard_map, an all-to-all over
+    `expert`) and a compile for the accelerator are what a usable figure needs.
 
 Laptop-size variant (tiny random GLM-4.5 of the same family: partial rotary, q/k/v bias, sigmoid
 router with a shared expert and a dense first layer; arithmetic, JAX engine, sync loop):
