@@ -1,11 +1,14 @@
 """Device meshes and parameter sharding from logical axis names (MaxText style).
 
 The model names the axes of every weight logically ("embed", "heads", "kv_heads", "mlp",
-"vocab", "exp", "norm") and of activations ("batch", "length", "embed"); the run's
-`config.mesh.rules` (default `DEFAULT_RULES`, read with `rules_from_config`) maps those names to
-the four mesh axes `data`, `fsdp`, `expert`, `tensor`. Expert weights [E, ...] are split on
-`expert`; the batch on `data` x `fsdp`. The learner traces its steps under the same rules
-(`activation_sharding`), so the model's activation constraints act in training.
+"vocab", "exp", MLA's "q_lora" and "kv_lora", "norm") and of activations ("batch", "length",
+"embed"); the run's `config.mesh.rules` (default `DEFAULT_RULES`, read with `rules_from_config`)
+maps those names to the four mesh axes `data`, `fsdp`, `expert`, `tensor`. Expert weights
+[E, ...] are split on `expert` (DeepSeek-V3's 256 experts: 32 per device at expert=8); the batch
+on `data` x `fsdp`. Shared experts (DeepSeek / GLM `n_shared_experts`, the Qwen2-MoE shared
+expert) are dense SwiGLUs, ("embed", "mlp") and ("mlp", "embed") as every MLP. The learner
+traces its steps under the same rules (`activation_sharding`), so the model's activation
+constraints act in training.
 
 Initialisation never materialises the whole model on one device: `jax.eval_shape` gives the
 abstract parameters with their logical axes, the rules give `NamedSharding`s, and
@@ -41,11 +44,17 @@ DEFAULT_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    # MLA's low-rank dims (q_lora_rank, kv_lora_rank): the up-projections q_b / kv_b
+    # [rank, heads] take fsdp here (their heads take tensor); the down-projections q_a / kv_a
+    # [embed, rank] already have fsdp on embed, so these rules give way there (MaxText's choice)
+    ("q_lora", "fsdp"),
+    ("kv_lora", "fsdp"),
     ("norm", None),
 )
 
 
-LOGICAL_AXES = ("batch", "length", "exp", "embed", "vocab", "heads", "kv_heads", "mlp", "norm")
+LOGICAL_AXES = ("batch", "length", "exp", "embed", "vocab", "heads", "kv_heads", "mlp", "q_lora",
+                "kv_lora", "norm")
 
 
 def rules_from_config(mesh_config: Any) -> Rules:

@@ -8,9 +8,12 @@ import glob
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
+from jax.sharding import AbstractMesh, AxisType
 
 from espo_jax import config_validation, configs, plot, sharding
 from espo_jax.models import init_params
@@ -26,7 +29,11 @@ EXPERIMENTS = sorted(name for name in (os.path.basename(p)[:-3] for p in glob.gl
     os.path.join(REPO, "experiments", "*.py"))) if not name.endswith("_common")
     and name not in TASK_MODULES)
 ARITH = ("arith_espo", "arith_grpo", "arith_dapo", "arith_gspo", "arith_gspo_token")
-REAL_SCALE = {"qwen3_30b_a3b"}  # full size validated and shaped here; its small variant runs
+# Full size validated and shaped here (on the learner devices they name); their small variants
+# run. deepseek_v3 and glm45_air: tests/test_scale_configs.py holds their memory figures.
+REAL_SCALE = {"qwen3_30b_a3b": 8, "deepseek_v3": 256, "glm45_air": 32}
+# Small variants of another model family than the default's (their presets' tiny versions)
+FAMILY_PRESETS = {"deepseek_v3": "tiny_deepseek_v3", "glm45_air": "tiny_glm45"}
 # The worker layout's experiments: the keys they change from the default (the workers' count and
 # staleness they set equal the defaults').
 LAYOUT = {"arith_espo_async": {"train.loop", "rollout.reward_workers"}}
@@ -86,11 +93,12 @@ def test_the_small_arith_variant_is_apply_small_of_the_full_one(name):
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_loads_and_validates(name):
     full, small = load(name), load(name, "small")
-    config_validation.validate(full, n_devices=jax.device_count(),
+    config_validation.validate(full, n_devices=REAL_SCALE.get(name, jax.device_count()),
                                check_paths=name not in REAL_SCALE)
     config_validation.validate(small, n_devices=jax.device_count())
     assert small.train.steps == 2
-    assert (small.model.preset == "tiny") != (name in PRETRAINED)
+    tiny = FAMILY_PRESETS.get(name, "tiny")
+    assert (small.model.preset == tiny) != (name in PRETRAINED)
     if name not in ARITH and name not in LAYOUT:
         return
     base = _flat(load("arith_espo"))
@@ -109,13 +117,14 @@ def test_unknown_experiment_argument():
         load("arith_espo", "tiny")
 
 
-@pytest.mark.parametrize("name", sorted(REAL_SCALE & set(EXPERIMENTS)))
+@pytest.mark.parametrize("name", sorted(set(REAL_SCALE) & set(EXPERIMENTS)))
 def test_real_scale_shapes_and_shardings_on_paper(name):
     config = load(name)
-    config_validation.validate(config, n_devices=8, check_paths=False)
+    config_validation.validate(config, n_devices=REAL_SCALE[name], check_paths=False)
     model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
-    n_mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
-    mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
+    sizes = tuple(config.mesh[a] for a in sharding.MESH_AXES)
+    assert math.prod(sizes) == REAL_SCALE[name]
+    mesh = AbstractMesh(sizes, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     sharding.validate_divisibility(model_config, mesh)
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
     shardings = sharding.param_shardings(model_config, mesh)
@@ -214,3 +223,30 @@ def test_warm_start_only_run_with_a_time_budget(tmp_path):
     assert summary["final_accuracy"] == summary["warmstart_accuracy"]  # the same parameters
 
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
+def test_family_small_variant_in_the_worker_layout(name, tmp_path):
+    """The DeepSeek-V3 / GLM-4.5 small variants through the main job in the worker layout
+    (`train.loop=async`: spawned rollout workers, the buffer, weight publication), router
+    replay R3 on: 2 RL steps, every update applied, the rollouts' log-probs within the bound
+    of the single-process runs (test_small_variant_runs_two_rl_steps) of the learner's."""
+    config = load(name, "small")
+    assert (config.train.replay, config.model.preset) == ("r3", FAMILY_PRESETS[name])
+    workdir = str(tmp_path / name)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device each
+    subprocess.run([sys.executable, "-m", "espo_jax.main", "--config",
+                    f"experiments/{name}.py:small", "--config.train.loop=async",
+                    "--workdir", workdir], cwd=REPO, env=env, check=True, timeout=900,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["steps"] == 2 and summary["skipped_updates"] == 0
+    assert 0.0 < summary["mean_abs_logp_mismatch"] < 0.05
+    records = plot.read_records(os.path.join(workdir, "metrics.jsonl"))
+    rl = [r for r in records if r["phase"] == "rl" and "train/loss" in r]
+    assert [r["step"] for r in rl] == [1, 2]
+    for r in rl:  # routing recorded by the workers' engines, replayed by the learner
+        assert r["moe/routing_flip_rate"] is not None and math.isfinite(r["train/loss"])
+    assert os.listdir(os.path.join(workdir, "workers"))

@@ -290,6 +290,50 @@ _PRESETS: dict[str, dict[str, Any]] = {
         rms_eps=1e-6, max_seq_len=40960, tie_embeddings=False, dtype="bfloat16",
         param_dtype="bfloat16", dispatch="ragged",
     ),
+    # DeepSeek-V3 (671B, 37B active): transformers' DeepseekV3Config defaults, which are V3's
+    # config.json, and its rope_scaling (YaRN factor 40 over 4096 tokens, mscale 1 = mscale_all_dim,
+    # max_position_embeddings 163840); what `hf_deepseek.config_from_hf` makes of that config.json.
+    "deepseek_v3": dict(
+        vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=64,
+        d_ff=18432, n_experts=256, top_k=8, d_expert=2048, first_k_dense=3, n_shared_experts=1,
+        router="sigmoid_group", n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        norm_topk_prob=True, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
+        qk_norm=False, rope_theta=10000.0, rope_scaling="yarn", rope_factor=40.0,
+        rope_original_max_len=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0, rms_eps=1e-6,
+        max_seq_len=163840, aux_loss_coef=0.0, dtype="bfloat16", param_dtype="bfloat16",
+        dispatch="ragged",
+    ),
+    # GLM-4.5-Air (106B, 12B active): transformers' Glm4MoeConfig defaults (46 layers, d 4096,
+    # 96 / 8 heads of 128, half rotated, 128 experts of 1408 top 8, one shared, one dense first
+    # layer of 10944, no groups, scale 1, no q/k norm, eps 1e-5, |V| 151552) with head_dim 128,
+    # the q/k/v bias (`attention_bias`) and rope_theta 1e6 of zai-org/GLM-4.5-Air's config.json.
+    "glm45_air": dict(
+        vocab_size=151552, d_model=4096, n_layers=46, n_heads=96, n_kv_heads=8, head_dim=128,
+        d_ff=10944, n_experts=128, top_k=8, d_expert=1408, first_k_dense=1, n_shared_experts=1,
+        router="sigmoid_group", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=True, partial_rotary_factor=0.5, qk_norm=False, qkv_bias=True,
+        rope_theta=1e6, rms_eps=1e-5, max_seq_len=131072, aux_loss_coef=0.0, dtype="bfloat16",
+        param_dtype="bfloat16", dispatch="ragged",
+    ),
+    # The same families at "tiny" size (tests, the experiments' small variants): every option of
+    # the real configs, groups and YaRN included (original context 16 < the 56-token rollouts).
+    "tiny_deepseek_v3": dict(
+        vocab_size=128, d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=8, d_ff=128,
+        n_experts=8, top_k=2, d_expert=32, first_k_dense=1, n_shared_experts=1,
+        router="sigmoid_group", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, qk_norm=False,
+        rope_theta=10000.0, rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16,
+        yarn_mscale=1.0, yarn_mscale_all_dim=1.0, max_seq_len=512, aux_loss_coef=0.0,
+    ),
+    "tiny_glm45": dict(
+        vocab_size=128, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
+        n_experts=8, top_k=2, d_expert=32, first_k_dense=1, n_shared_experts=1,
+        router="sigmoid_group", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        partial_rotary_factor=0.5, qk_norm=False, qkv_bias=True, rms_eps=1e-5, max_seq_len=512,
+        aux_loss_coef=0.0,
+    ),
 }
 PRESETS = tuple(_PRESETS)
 

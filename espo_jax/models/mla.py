@@ -15,6 +15,10 @@ The KV cache holds the latent and the rotated rope key per token, not the heads'
 values: (C + R) numbers per token and layer against H * (P + R + Dv) for the expanded heads
 (DeepSeek-V3: 512 + 64 = 576 against 128 * 320 = 40960, 1152 against 81920 bytes in bf16). Each
 step expands the cached latents through kv_b_proj (`init_cache`'s "latent" and "k_rope").
+
+Logical axes of the kernels (`espo_jax.sharding`): q_a_proj ("embed", "q_lora"), q_b_proj
+("q_lora", "heads"), kv_a_proj ("embed", "kv_lora"), kv_b_proj ("kv_lora", "heads"), o_proj
+("heads", "embed"), q_proj ("embed", "heads").
 """
 
 from __future__ import annotations
@@ -65,15 +69,15 @@ class LatentAttention(nn.Module):
                             c.kv_lora_rank)
         valid_BxT = segments_BxT > 0
         if c.q_lora_rank:
-            q = dense(c, c.q_lora_rank, ("embed", None), "q_a_proj")(x_BxTxD)
+            q = dense(c, c.q_lora_rank, ("embed", "q_lora"), "q_a_proj")(x_BxTxD)
             q = RMSNorm(LATENT_NORM_EPS, c.dtype, c.param_dtype, name="q_a_norm")(q)
-            q = dense(c, h * (p + r), (None, "heads"), "q_b_proj")(q)
+            q = dense(c, h * (p + r), ("q_lora", "heads"), "q_b_proj")(q)
         else:
             q = dense(c, h * (p + r), ("embed", "heads"), "q_proj")(x_BxTxD)
         q_BxTxHxQ = q.reshape(b, t, h, p + r)
         q_BxTxHxQ = jnp.concatenate(
             [q_BxTxHxQ[..., :p], rotate(c, q_BxTxHxQ[..., p:], positions_BxT)], axis=-1)
-        kv = dense(c, lat + r, ("embed", None), "kv_a_proj")(x_BxTxD)
+        kv = dense(c, lat + r, ("embed", "kv_lora"), "kv_a_proj")(x_BxTxD)
         latent_BxTxC = RMSNorm(LATENT_NORM_EPS, c.dtype, c.param_dtype,
                                name="kv_a_norm")(kv[..., :lat])
         k_rope_BxTxR = rotate(c, kv[..., None, lat:], positions_BxT)[:, :, 0]
@@ -94,8 +98,8 @@ class LatentAttention(nn.Module):
             key_segments_BxS = None  # a cache row holds one sequence
 
         n_keys = latent_BxTxC.shape[1]
-        kv_BxSxHxF = dense(c, h * (p + dv), (None, "heads"), "kv_b_proj")(latent_BxTxC).reshape(
-            b, n_keys, h, p + dv)
+        kv_b = dense(c, h * (p + dv), ("kv_lora", "heads"), "kv_b_proj")
+        kv_BxSxHxF = kv_b(latent_BxTxC).reshape(b, n_keys, h, p + dv)
         k_rope_BxSxHxR = jnp.broadcast_to(k_rope_BxTxR[:, :, None, :], (b, n_keys, h, r))
         keys_BxSxHxQ = jnp.concatenate([kv_BxSxHxF[..., :p], k_rope_BxSxHxR], axis=-1)
         scale = softmax_scale_factor(c)

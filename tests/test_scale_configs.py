@@ -1,0 +1,169 @@
+"""The real-scale DeepSeek-V3 and GLM-4.5-Air experiments: their presets are what
+`hf_deepseek.config_from_hf` makes of the published config.json, their parameter counts match
+the published totals, their weights fit their meshes, and the per-device memory their
+docstrings state is recomputed (parameters and AdamW state exactly from abstract arrays; the
+gradient's temporaries by compiling two slices in a subprocess with the docstring's device
+count, slow)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+from transformers import DeepseekV3Config, Glm4MoeConfig
+
+from espo_jax import config_validation, configs, sharding
+from espo_jax.bench import memory_plan
+from espo_jax.models import get_preset, init_params
+from espo_jax.models.hf_deepseek import config_from_hf
+from espo_jax.run_setup import preset_model_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The docstrings' figures: devices, (fsdp, expert), parameters, active, bytes per device of
+# parameters and AdamW state, and the compiled temporaries of the slices and the whole model.
+FIGURES = {
+    "deepseek_v3": dict(devices=256, mesh=(32, 8), total=671_026_419_200,
+                        active=37_552_297_472, params=6_180_524_032, optimizer=12_361_048_072,
+                        slice_1=7_002_117_575_744, slice_2=7_126_103_851_376,
+                        model=14_317_307_838_032),
+    "glm45_air": dict(devices=32, mesh=(32, 1), total=106_852_251_264, active=13_424_129_664,
+                      params=6_680_304_128, optimizer=13_360_608_264,
+                      slice_1=20_215_752_379_648, slice_2=20_545_221_711_472,
+                      model=34_712_402_979_904),
+}
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+def _abstract_mesh(fsdp: int, expert: int) -> AbstractMesh:
+    return AbstractMesh((1, fsdp, expert, 1), sharding.MESH_AXES,
+                        axis_types=(AxisType.Auto,) * 4)
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_full_config_validates_on_its_mesh(name):
+    f = FIGURES[name]
+    c = configs.experiment_config(name)
+    config_validation.validate(c, n_devices=f["devices"], check_paths=False)
+    assert (c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor) == (1, *f["mesh"], 1)
+    # 128 prompts x 8 = 1024 rows, 4 updates of 256, over data x fsdp = 32: 8 micro-batches
+    assert c.train.micro_batches == 8 and c.train.replay == "r3"
+    assert c.rollout.max_prompt_len + c.rollout.max_new_tokens == 16384
+    assert c.model.preset == name and preset_model_config(c).remat
+    with pytest.raises(ValueError, match="is not divisible by expert=3"):
+        configs.experiment_config(name, "expert=3")
+
+
+def test_presets_are_the_published_config_json():
+    # DeepSeek-V3's config.json: DeepseekV3Config's defaults with its YaRN rope_scaling
+    v3 = DeepseekV3Config(max_position_embeddings=163840, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+        beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)).to_dict()
+    assert config_from_hf(v3, "bfloat16") == get_preset("deepseek_v3", dispatch="dropless_loop")
+    # GLM-4.5-Air's: Glm4MoeConfig's defaults with head_dim 128 (the default derives 4096 / 96),
+    # attention_bias and rope_theta 1e6
+    air = Glm4MoeConfig(head_dim=128, attention_bias=True, rope_parameters=dict(
+        rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5)).to_dict()
+    assert config_from_hf(air, "bfloat16") == get_preset("glm45_air", dispatch="dropless_loop")
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_parameter_counts_match_the_published_totals(name):
+    f = FIGURES[name]
+    c = get_preset(name)
+    assert (c.param_count(), c.param_count(active=True)) == (f["total"], f["active"])
+    shapes = jax.eval_shape(lambda: init_params(c, jax.random.key(0)))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == f["total"]
+    embeddings = 2 * c.vocab_size * c.d_model
+    if name == "deepseek_v3":  # 671B total, 37B active (embeddings counted)
+        assert abs(f["total"] / 671e9 - 1) < 0.001 and abs(f["active"] / 37e9 - 1) < 0.02
+    else:  # 106B total, 12B active (embeddings not counted)
+        assert abs(f["total"] / 106e9 - 1) < 0.01
+        assert abs((f["active"] - embeddings) / 12e9 - 1) < 0.02
+
+
+def test_mla_and_shared_expert_shardings():
+    c = get_preset("deepseek_v3")
+    specs = sharding.logical_specs(c.replace(n_layers=4))  # 3 dense layers + 1 MoE layer
+    s = sharding.logical_to_mesh_shardings(specs, _abstract_mesh(32, 8))
+    attn, moe = s["layers_3"]["attn"], s["layers_3"]["moe"]
+    # q_a [7168, 1536] and kv_a [7168, 576]: embed over fsdp (the low rank gives way);
+    # q_b [1536, 128*192] and kv_b [512, 128*256]: the low rank over fsdp
+    assert attn["q_a_proj"]["kernel"].shard_shape((7168, 1536)) == (224, 1536)
+    assert attn["kv_a_proj"]["kernel"].shard_shape((7168, 576)) == (224, 576)
+    assert attn["q_b_proj"]["kernel"].shard_shape((1536, 24576)) == (48, 24576)
+    assert attn["kv_b_proj"]["kernel"].shard_shape((512, 32768)) == (16, 32768)
+    assert attn["o_proj"]["kernel"].shard_shape((16384, 7168)) == (16384, 224)
+    # 256 experts over expert=8 -> 32 per device, the model dimension over fsdp=32
+    assert moe["wi_gate"].shard_shape((256, 7168, 2048)) == (32, 224, 2048)
+    assert moe["shared_experts"]["gate_proj"]["kernel"].shard_shape((7168, 2048)) == (224, 2048)
+    assert moe["shared_experts"]["down_proj"]["kernel"].shard_shape((2048, 7168)) == (2048, 224)
+    # the rules are the config's: with q_lora unmapped q_b keeps its rank dim whole
+    mesh = AbstractMesh((1, 8, 1, 4), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    default = sharding.logical_to_mesh_shardings(specs, mesh)["layers_3"]["attn"]
+    assert default["q_b_proj"]["kernel"].shard_shape((1536, 24576)) == (192, 6144)
+    rules = tuple((k, None if k == "q_lora" else v) for k, v in sharding.DEFAULT_RULES)
+    moved = sharding.logical_to_mesh_shardings(specs, mesh, rules)["layers_3"]["attn"]
+    assert moved["q_b_proj"]["kernel"].shard_shape((1536, 24576)) == (1536, 6144)
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_state_bytes_per_device(name):
+    f = FIGURES[name]
+    c = get_preset(name)
+    got = memory_plan.state_bytes(c, _abstract_mesh(*f["mesh"]))
+    assert (got["params"], got["optimizer"]) == (f["params"], f["optimizer"])
+    # By hand: bf16 weights split over fsdp (experts also over expert), the RMSNorm scales,
+    # GLM's q/k/v biases (heads -> tensor = 1) and the fp32 correction biases whole.
+    d, m = c.d_model, c.n_moe_layers
+    biases = m * c.n_experts
+    experts = m * c.n_experts * 3 * d * c.d_expert
+    norms = c.n_layers * 2 * d + d
+    if c.attention == "mla":
+        norms += c.n_layers * (c.q_lora_rank + c.kv_lora_rank)
+        whole = norms
+    else:
+        whole = norms + c.n_layers * c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
+    fsdp, expert = f["mesh"]
+    rest = c.param_count() - experts - whole - biases
+    assert f["params"] == 2 * (experts // (fsdp * expert) + rest // fsdp + whole) + 4 * biases
+    # AdamW: two bf16 moments per parameter, plus two int32 step counts (Adam's bias
+    # correction, the learning-rate schedule's)
+    assert f["optimizer"] == 2 * f["params"] + 8
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_docstring_states_the_figures(name):
+    doc = configs.import_file(os.path.join(REPO, "experiments", f"{name}.py")).__doc__
+    doc = " ".join(doc.split())
+    for key in ("total", "active", "params", "optimizer", "slice_1", "slice_2", "model"):
+        assert _fmt(FIGURES[name][key]) in doc, (key, FIGURES[name][key])
+    assert f"{FIGURES[name]['devices']}-device learner mesh" in doc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_compiled_temporaries(name):
+    """Compiles the two slices on the docstring's device count (fake CPU devices, a subprocess:
+    this process has 8); CPU XLA's buffer assignment within 1% of the docstring's figures."""
+    f = FIGURES[name]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={f['devices']}")
+    out = subprocess.run(
+        [sys.executable, "-m", "espo_jax.bench.memory_plan", name, str(f["devices"]),
+         *map(str, f["mesh"]), "16384"], env=env, cwd=REPO, capture_output=True, text=True,
+        timeout=900, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (got["params"], got["optimizer"]) == (f["params"], f["optimizer"])
+    for key in ("slice_1", "slice_2", "model"):
+        assert got[key] == pytest.approx(f[key], rel=0.01), key
+    n_slice = min(get_preset(name).first_k_dense, 1) + 1
+    assert got["model"] == got["slice_1"] + (get_preset(name).n_layers - n_slice) * (
+        got["slice_2"] - got["slice_1"])
