@@ -102,6 +102,19 @@ def write_cache(
     )
 
 
+def cache_view(positions_BxT: jax.Array, valid_BxT: jax.Array, cache_mask_BxS: jax.Array,
+               s: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What a cached forward of T new tokens reads, for every attention kind: (slots_BxT, the
+    slots the tokens are written at, S for padding, which `mode="drop"` writes drop;
+    key_pos_BxS, slot s holds position s; key_valid_BxS, the caller's valid slots and those
+    written now)."""
+    b = positions_BxT.shape[0]
+    slots_BxT = jnp.where(valid_BxT, positions_BxT, s)
+    written_BxS = jnp.zeros((b, s), bool).at[jnp.arange(b)[:, None], slots_BxT].set(
+        True, mode="drop")
+    return slots_BxT, jnp.broadcast_to(jnp.arange(s), (b, s)), cache_mask_BxS | written_BxS
+
+
 def write_cache_keys(
     cache_BxKxAxS: jax.Array, new_BxTxKxA: jax.Array, slots_BxT: jax.Array
 ) -> jax.Array:
@@ -325,19 +338,14 @@ class Attention(nn.Module):
             key_pos_BxS, key_valid_BxS = positions_BxT, valid_BxT
             key_segments_BxS = segments_BxT
         else:
-            s = cache["v"].shape[2]
-            # Padding tokens (valid False) are not written: their slot index S is dropped.
-            slots_BxT = jnp.where(valid_BxT, positions_BxT, s)
+            slots_BxT, key_pos_BxS, key_valid_BxS = cache_view(
+                positions_BxT, valid_BxT, cache_mask_BxS, cache["v"].shape[2])
             new_cache = {"k": write_cache_keys(cache["k"], k_BxTxKxA, slots_BxT),
                          "v": write_cache(cache["v"], v_BxTxKxA, slots_BxT)}
             keys_BxKxSxA, keys_BxKxAxS = None, new_cache["k"].astype(c.dtype)
             if t > 1:  # a prefill: transposed once, not per chunk of queries
                 keys_BxKxSxA, keys_BxKxAxS = jnp.swapaxes(keys_BxKxAxS, 2, 3), None
             values_BxKxSxA = new_cache["v"].astype(c.dtype)
-            key_pos_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
-            written_BxS = write_cache(jnp.zeros((b, 1, s, 1), bool),
-                                      jnp.ones((b, t, 1, 1), bool), slots_BxT)[:, 0, :, 0]
-            key_valid_BxS = cache_mask_BxS | written_BxS
             key_segments_BxS = None  # a cache row holds one sequence
 
         g = h // kv

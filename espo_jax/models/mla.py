@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.layers import RMSNorm, attend, dense
+from espo_jax.models.layers import RMSNorm, attend, cache_view, dense
 from espo_jax.models.rope import rotate, softmax_scale_factor
 
 # transformers builds the q_a and kv_a RMSNorms with their default eps, not rms_norm_eps
@@ -86,15 +86,12 @@ class LatentAttention(nn.Module):
         if cache is None:
             key_pos_BxS, key_valid_BxS, key_segments_BxS = positions_BxT, valid_BxT, segments_BxT
         else:
-            s = cache["latent"].shape[1]
-            slots_BxT = jnp.where(valid_BxT, positions_BxT, s)  # padding is not written
+            slots_BxT, key_pos_BxS, key_valid_BxS = cache_view(
+                positions_BxT, valid_BxT, cache_mask_BxS, cache["latent"].shape[1])
             new_cache = {"latent": _write(cache["latent"], latent_BxTxC, slots_BxT),
                          "k_rope": _write(cache["k_rope"], k_rope_BxTxR, slots_BxT)}
             latent_BxTxC = new_cache["latent"].astype(c.dtype)
             k_rope_BxTxR = new_cache["k_rope"].astype(c.dtype)
-            key_pos_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
-            written_BxS = _write(jnp.zeros((b, s), bool), jnp.ones((b, t), bool), slots_BxT)
-            key_valid_BxS = cache_mask_BxS | written_BxS
             key_segments_BxS = None  # a cache row holds one sequence
 
         n_keys = latent_BxTxC.shape[1]
