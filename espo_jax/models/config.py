@@ -17,6 +17,9 @@ ATTENTIONS = ("gqa", "mla")
 # a correction bias and group-limited top-k (DeepSeek-V3, GLM-4.5); see espo_jax/models/router.py
 ROUTERS = ("softmax_topk", "sigmoid_group")
 ROPE_SCALINGS = ("default", "yarn")
+# token mixers of `ModelConfig.layer_types`: softmax attention (`attention` names its kind) or
+# the Gated DeltaNet linear attention of Qwen3-Next / Qwen3.5 (`gated_deltanet.GatedDeltaNet`)
+LAYER_TYPES = ("full_attention", "linear_attention")
 _DTYPES = ("float32", "bfloat16", "float16")
 # the positions the MoE aux losses average over: "real" tokens (Hugging Face's
 # `load_balancing_loss_func` with an attention mask), or "all" of a batch's rows, padding included
@@ -94,8 +97,24 @@ class ModelConfig:
     # DeepSeek-V3 pre-training 0.001), applied after each learner update from its rows'
     # expert loads (`train.step.router_bias_update`, `router.update_router_biases`)
     router_bias_update_rate: float = 0.0
+    # ---- Qwen3-Next / Qwen3.5-MoE hybrid family (defaults: absent) ----
+    # each layer's token mixer (LAYER_TYPES); () = every layer "full_attention"
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False  # q_proj also gives a per-dim gate: out * sigmoid(gate)
+    norm_zero_centered: bool = False  # RMSNorms scale by (1 + w), w initialised to 0
+    # Gated DeltaNet (linear_attention layers): query/key heads and dim, value heads and dim
+    # (value heads a multiple of key heads), the causal depthwise conv width, and the chunk of
+    # the parallel form (a speed / memory knob: every chunk size gives the same values)
+    linear_n_key_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_n_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    linear_chunk: int = 64
 
     def __post_init__(self):
+        # a list (config.json, asdict round trips) becomes a tuple: the config stays hashable
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         errors = []
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
@@ -182,9 +201,31 @@ class ModelConfig:
             elif self.n_group > 1 and self.n_experts // self.n_group < 2:
                 errors.append("group-limited routing scores each group by its two best experts: "
                               f"needs >= 2 experts per group, got {self.n_experts // self.n_group}")
+        errors += self._hybrid_errors()
         if self.router_bias_update_rate < 0:
             errors.append(f"router_bias_update_rate must be >= 0, got "
                           f"{self.router_bias_update_rate}")
+        return errors
+
+    def _hybrid_errors(self) -> list[str]:
+        errors = []
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            errors.append(f"layer_types has {len(self.layer_types)} entries for n_layers "
+                          f"{self.n_layers}")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            errors.append(f"layer_types {bad} are not in {LAYER_TYPES}")
+        if self.linear_layers:
+            for name in ("linear_n_key_heads", "linear_key_head_dim", "linear_n_value_heads",
+                         "linear_value_head_dim", "linear_conv_kernel", "linear_chunk"):
+                if getattr(self, name) < 1:
+                    errors.append(f"linear_attention layers need {name} >= 1, got "
+                                  f"{getattr(self, name)}")
+            if self.linear_n_key_heads >= 1 and self.linear_n_value_heads % self.linear_n_key_heads:
+                errors.append(f"linear_n_value_heads ({self.linear_n_value_heads}) must be a "
+                              f"multiple of linear_n_key_heads ({self.linear_n_key_heads})")
+        if self.attn_output_gate and self.attention != "gqa":
+            errors.append("attn_output_gate is a GQA option (attention 'gqa')")
         return errors
 
     # ---- derived quantities -------------------------------------------------------------------
@@ -196,6 +237,15 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Dims of each GQA head that RoPE rotates (all unless `partial_rotary_factor` < 1)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's token mixer, one of LAYER_TYPES."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet (linear_attention) layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -224,11 +274,22 @@ class ModelConfig:
         moe += 3 * d * self.d_expert * self.n_shared_experts
         if self.router == "sigmoid_group":
             moe += self.n_experts  # the correction bias
+        if self.attn_output_gate:
+            attn += d * self.n_heads * a
         dense = 3 * d * self.d_ff
-        n_moe = self.n_moe_layers
-        total = self.n_layers * attn + n_moe * moe + (self.n_layers - n_moe) * dense
+        n_moe, n_lin = self.n_moe_layers, len(self.linear_layers)
+        total = ((self.n_layers - n_lin) * attn + n_lin * self._linear_param_count()
+                 + n_moe * moe + (self.n_layers - n_moe) * dense)
         embeds = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return total + embeds + d
+
+    def _linear_param_count(self) -> int:
+        """A Gated DeltaNet layer (projections, conv, A_log, dt_bias, gated norm) + its
+        pre-norm and the MLP's pre-norm, as `attn` counts them for attention layers."""
+        d, hk, hv = self.d_model, self.linear_n_key_heads, self.linear_n_value_heads
+        qk, v = hk * self.linear_key_head_dim, hv * self.linear_value_head_dim
+        return (d * (2 * qk + 2 * v + 2 * hv) + self.linear_conv_kernel * (2 * qk + v)
+                + 2 * hv + self.linear_value_head_dim + v * d + 2 * d)
 
     def _mla_param_count(self) -> int:
         d, h = self.d_model, self.n_heads
@@ -333,6 +394,56 @@ _PRESETS: dict[str, dict[str, Any]] = {
         router="sigmoid_group", n_group=1, topk_group=1, routed_scaling_factor=1.0,
         partial_rotary_factor=0.5, qk_norm=False, qkv_bias=True, rms_eps=1e-5, max_seq_len=512,
         aux_loss_coef=0.0,
+    ),
+    # Qwen3-Next-80B-A3B (80B, 3B active): transformers' Qwen3NextConfig defaults (d 2048, 48
+    # layers, 16 / 2 heads of 256 with a quarter rotated and an output gate; Gated DeltaNet 16
+    # key heads x 128, 32 value heads x 128, conv 4; 512 experts of 512, top 10, a gated shared
+    # expert of 512; every 4th layer full attention, the rest linear) with the published
+    # config.json's intermediate_size 5120, max_position_embeddings 262144 and rope_theta 1e7.
+    "qwen3_next_80b_a3b": dict(
+        vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
+        d_ff=5120, n_experts=512, top_k=10, d_expert=512, shared_expert_d_ff=512,
+        norm_topk_prob=True, partial_rotary_factor=0.25, attn_output_gate=True,
+        norm_zero_centered=True, layer_types=tuple(
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)),
+        linear_n_key_heads=16, linear_key_head_dim=128, linear_n_value_heads=32,
+        linear_value_head_dim=128, linear_conv_kernel=4, rope_theta=1e7, rms_eps=1e-6,
+        max_seq_len=262144, dtype="bfloat16", param_dtype="bfloat16", dispatch="ragged",
+    ),
+    # Qwen3.5-35B-A3B (text model): transformers' Qwen3_5MoeTextConfig defaults (|V| 248320,
+    # d 2048, 40 layers, 16 / 2 heads of 256, a quarter rotated, output gate; the same Gated
+    # DeltaNet; 256 experts of 512, top 8, gated shared expert of 512; full attention every 4th
+    # layer) with rope_theta 1e7 and a 262144-token context as published.
+    "qwen35_35b_a3b": dict(
+        vocab_size=248320, d_model=2048, n_layers=40, n_heads=16, n_kv_heads=2, head_dim=256,
+        d_ff=512, n_experts=256, top_k=8, d_expert=512, shared_expert_d_ff=512,
+        norm_topk_prob=True, partial_rotary_factor=0.25, attn_output_gate=True,
+        norm_zero_centered=True, layer_types=tuple(
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)),
+        linear_n_key_heads=16, linear_key_head_dim=128, linear_n_value_heads=32,
+        linear_value_head_dim=128, linear_conv_kernel=4, rope_theta=1e7, rms_eps=1e-6,
+        max_seq_len=262144, dtype="bfloat16", param_dtype="bfloat16", dispatch="ragged",
+    ),
+    # The hybrid family at "tiny" size: linear and full layers, value heads grouped over key
+    # heads, a small chunk (8) so test sequences span several, partial rotary, the output gate,
+    # zero-centred norms, a gated shared expert; qwen3_next also a dense layer (moe_every 2).
+    "tiny_qwen3_next": dict(
+        vocab_size=128, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
+        n_experts=8, top_k=2, d_expert=32, moe_every=2, shared_expert_d_ff=48,
+        partial_rotary_factor=0.25, attn_output_gate=True, norm_zero_centered=True,
+        layer_types=("linear_attention", "full_attention", "linear_attention",
+                     "full_attention"),
+        linear_n_key_heads=2, linear_key_head_dim=8, linear_n_value_heads=4,
+        linear_value_head_dim=8, linear_conv_kernel=4, linear_chunk=8, max_seq_len=512,
+    ),
+    "tiny_qwen35_moe": dict(
+        vocab_size=128, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=32,
+        n_experts=8, top_k=2, d_expert=32, shared_expert_d_ff=48,
+        partial_rotary_factor=0.25, attn_output_gate=True, norm_zero_centered=True,
+        layer_types=("linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"),
+        linear_n_key_heads=2, linear_key_head_dim=8, linear_n_value_heads=4,
+        linear_value_head_dim=8, linear_conv_kernel=4, linear_chunk=8, max_seq_len=512,
     ),
 }
 PRESETS = tuple(_PRESETS)

@@ -9,12 +9,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from espo_jax.models import hf_deepseek
+from espo_jax.models import hf_deepseek, hf_qwen3_next
 from espo_jax.models.config import ModelConfig
 
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "llama": "LlamaForCausalLM"} | hf_deepseek.ARCHITECTURES
+                 "llama": "LlamaForCausalLM"} | hf_deepseek.ARCHITECTURES | (
+                     hf_qwen3_next.ARCHITECTURES)
 DENSE = ("qwen3", "qwen2", "llama")
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
@@ -26,15 +27,17 @@ _REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
 # ---- config.json <-> ModelConfig -------------------------------------------------------------
 def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConfig:
     """A `ModelConfig` from a parsed Hugging Face `config.json` (one of `ARCHITECTURES`)."""
+    hf = hf_qwen3_next.text_config(hf)  # a multimodal Qwen3.5-MoE: its text model
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r} (architectures "
                          f"{hf.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
-    if model_type in hf_deepseek.ARCHITECTURES:
+    if model_type in hf_deepseek.ARCHITECTURES or model_type in hf_qwen3_next.ARCHITECTURES:
         if dtype is None:
             dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
             dtype = dtype if dtype in _NP_DTYPES else "float32"
-        return hf_deepseek.config_from_hf(hf, dtype)
+        family = hf_deepseek if model_type in hf_deepseek.ARCHITECTURES else hf_qwen3_next
+        return family.config_from_hf(hf, dtype)
     dense = model_type in DENSE
     missing = [k for k in _REQUIRED + (() if dense else _REQUIRED_MOE) if k not in hf]
     n_experts = 0 if dense else hf.get("num_experts", hf.get("num_local_experts"))
@@ -101,6 +104,8 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, An
     Qwen3 (q/k norm), Qwen2 (q/k/v bias) or Llama (neither). Raises for combinations no HF
     architecture has."""
     c = config
+    if hf_qwen3_next.is_hybrid(c):
+        return hf_qwen3_next.config_to_hf(c, dtype)
     if c.router == "sigmoid_group" or c.attention == "mla":
         return hf_deepseek.config_to_hf(c, dtype)
     if c.qk_norm and (c.qkv_bias or c.shared_expert_d_ff):

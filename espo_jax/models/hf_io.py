@@ -33,7 +33,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from espo_jax.models import hf_deepseek, hf_fp8
+from espo_jax.models import hf_deepseek, hf_fp8, hf_qwen3_next
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.hf_config import (  # noqa: F401  (re-exported)
     _NP_DTYPES,
@@ -75,19 +75,25 @@ def _experts(path: tuple[str, ...], prefix: str, proj: str, n_experts: int) -> t
             lambda get: np.stack([get(n).T for n in names]))
 
 
-def param_map(config: ModelConfig) -> list[tuple]:
-    """The full map between our parameter tree and HF tensor names for `config`."""
+def param_map(config: ModelConfig, model_type: str = "qwen3_next") -> list[tuple]:
+    """The full map between our parameter tree and HF tensor names for `config`. A Gated
+    DeltaNet layer is one entry for its whole subtree (`hf_qwen3_next.linear_entry`; its
+    input projections are laid out by `model_type`)."""
     entries = [_copy(("embed", "embedding"), "model.embed_tokens.weight")]
     for i in range(config.n_layers):
         p, hf = f"layers_{i}", f"model.layers.{i}"
         entries.append(_copy((p, "attn_norm", "scale"), f"{hf}.input_layernorm.weight"))
         entries.append(_copy((p, "mlp_norm", "scale"), f"{hf}.post_attention_layernorm.weight"))
-        if config.attention == "mla":
+        if config.layer_type(i) == "linear_attention":
+            entries.append(hf_qwen3_next.linear_entry(config, (p, "linear_attn"),
+                                                      f"{hf}.linear_attn", model_type))
+        elif config.attention == "mla":
             entries += _mla_entries(config, (p, "attn"), f"{hf}.self_attn")
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")[4 * (config.attention == "mla"):]:
+        gqa = config.attention == "gqa" and config.layer_type(i) == "full_attention"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")[4 * (not gqa):]:
             bias = config.qkv_bias and proj != "o_proj"
             entries += _linear((p, "attn", proj), f"{hf}.self_attn.{proj}", bias)
-        if config.qk_norm:
+        if config.qk_norm and gqa:
             for norm in ("q_norm", "k_norm"):
                 entries.append(_copy((p, "attn", norm, "scale"), f"{hf}.self_attn.{norm}.weight"))
         if config.is_moe_layer(i):
@@ -207,9 +213,9 @@ def _fused_getter(reader: _TensorReader, config: ModelConfig) -> Getter:
     def get(name: str) -> np.ndarray:
         if name in reader:
             return reader.get(name)
-        parts = name.split(".")  # model.layers.{i}.mlp.experts.{j}.{proj}.weight
-        if len(parts) == 8 and parts[4] == "experts":
-            base, j, proj = ".".join(parts[:5]), int(parts[5]), parts[6]
+        parts = name.split(".")  # {model.}layers.{i}.mlp.experts.{j}.{proj}.weight
+        if len(parts) >= 8 and parts[-4] == "experts":
+            base, j, proj = ".".join(parts[:-3]), int(parts[-3]), parts[-2]
             if proj in ("gate_proj", "up_proj") and base + ".gate_up_proj" in reader:
                 gate_up = fused(base + ".gate_up_proj")[j]  # [2F, D]
                 return gate_up[:f] if proj == "gate_proj" else gate_up[f:]
@@ -239,34 +245,45 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
     config = config_from_hf(hf, dtype=dtype)
     np_dtype = _NP_DTYPES[config.param_dtype]
     reader = _TensorReader(path, hf_fp8.block_size(hf))
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # before any tensor is read
+    prefix = hf_qwen3_next.tensor_prefix(hf)  # the text model's, in a multimodal checkpoint
+    rename = (lambda n: prefix + n[len("model."):] if n.startswith("model.") else n)
+    for name in (rename("model.embed_tokens.weight"), "lm_head.weight"):  # before any read
         rows = reader.shape(name)[0] if name in reader else config.vocab_size
         if rows != config.vocab_size:
             raise ValueError(f"checkpoint {path}: {name} has {rows} vocabulary rows but "
                              f"config.json's vocab_size is {config.vocab_size}")
-    get = _fused_getter(reader, config)
+    fused_get = _fused_getter(reader, config)
+    get = lambda name: fused_get(rename(name))
     params: dict = {}
     expected = _expected_shapes(config)
-    for ours, names, _, from_hf in param_map(config):
+    text_type = hf_qwen3_next.text_config(hf).get("model_type", "")
+    for ours, names, _, from_hf in param_map(config, text_type):
+        names = [rename(n) for n in names]
         try:
-            value = from_hf(get)
+            tree = from_hf(get)
         except KeyError as e:
             missing = [n for n in names if n not in reader]
             raise ValueError(f"checkpoint {path} lacks tensor {e.args[0]} (for params "
                              f"{'/'.join(ours)}; {len(missing)} of its {len(names)} HF tensors "
                              "missing)") from None
-        if value.shape != expected[ours]:
-            raise ValueError(f"tensor(s) {names[0]}{'...' if len(names) > 1 else ''} give "
-                             f"{'/'.join(ours)} shape {value.shape}; config implies "
-                             f"{expected[ours]}")
-        # the correction bias stays fp32 (it orders experts whose scores may differ by < 1e-3)
-        value = np.ascontiguousarray(value.astype(
-            np.float32 if ours[-1] == "e_score_correction_bias" else np_dtype))
-        if shardings is not None:
-            import jax
+        for leaf, value in _leaves(ours, tree):
+            if value.shape != expected[leaf]:
+                raise ValueError(f"tensor(s) {names[0]}{'...' if len(names) > 1 else ''} give "
+                                 f"{'/'.join(leaf)} shape {value.shape}; config implies "
+                                 f"{expected[leaf]}")
+            # the correction bias stays fp32 (it orders experts whose scores may differ by
+            # < 1e-3)
+            value = np.ascontiguousarray(value.astype(
+                np.float32 if leaf[-1] == "e_score_correction_bias" else np_dtype))
+            if shardings is not None:
+                import jax
 
-            value = jax.device_put(value, _get(shardings, ours))
-        _set(params, ours, value)
+                value = jax.device_put(value, _get(shardings, leaf))
+            _set(params, leaf, value)
+    skipped = sorted(n for n in reader.weight_map if n.startswith(hf_qwen3_next.SKIPPED_PREFIXES))
+    if skipped:
+        log.info("%s: skipped %d multi-token-prediction / vision tensors (%s...)", path,
+                 len(skipped), skipped[0])
     n_mtp = hf.get("num_nextn_predict_layers") or 0
     mtp = {n for n in reader.weight_map if (m := _LAYER_INDEX.match(n))
            and config.n_layers <= int(m.group(1)) < config.n_layers + n_mtp}
@@ -276,6 +293,7 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
                  config.n_layers, config.n_layers + n_mtp - 1)
     unused = sorted(n for n in reader.weight_map if n not in reader.used
                     and not n.endswith(_IGNORED_SUFFIXES) and n not in mtp
+                    and not n.startswith(hf_qwen3_next.SKIPPED_PREFIXES)
                     and not (config.tie_embeddings and n == "lm_head.weight"))
     if strict and unused:
         raise ValueError(f"checkpoint {path} has {len(unused)} tensors the model does not use, "
@@ -283,16 +301,30 @@ def from_pretrained(path: str, *, dtype: str | None = None, shardings: Any = Non
     return config, params
 
 
+def _leaves(path: tuple[str, ...], tree: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(leaf path, array) of a value `from_hf` gives: one array, or a subtree of them."""
+    if isinstance(tree, dict):
+        for key, sub in tree.items():
+            yield from _leaves(path + (key,), sub)
+    else:
+        yield path, tree
+
+
 def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Shape of every parameter leaf implied by `config` (the model contract)."""
     c = config
     d, h, k, a = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.head_dim
     e, f, fs = c.n_experts, c.d_expert, c.shared_expert_d_ff
-    kernels = {"q_proj": (d, h), "k_proj": (d, k), "v_proj": (d, k), "o_proj": (h, d)}
+    kernels = {"q_proj": (d, h * (2 if c.attn_output_gate else 1)), "k_proj": (d, k),
+               "v_proj": (d, k), "o_proj": (h, d)}
     mla = hf_deepseek.mla_shapes(c) if c.attention == "mla" else {}
     out: dict[tuple[str, ...], tuple[int, ...]] = {}
     for ours, *_ in param_map(config):
         leaf, parent = ours[-1], ours[-2] if len(ours) > 1 else ""
+        if leaf == "linear_attn":
+            for name, shape in hf_qwen3_next.linear_shapes(c).items():
+                out[ours + tuple(name.split("/"))] = shape
+            continue
         if ours[1:2] == ("attn",) and parent in mla:
             shape = mla[parent]
         elif leaf == "e_score_correction_bias":
@@ -327,6 +359,14 @@ def _hf_tensors(config: ModelConfig, params: dict,
     expected = _expected_shapes(config)
     for ours, names, to_hf, _ in param_map(config):
         value = _get(params, ours)
+        if ours[-1] == "linear_attn":  # a Gated DeltaNet subtree
+            for leaf, array in _leaves(ours, value):
+                if leaf not in expected or np.shape(array) != expected[leaf]:
+                    raise ValueError(f"params {'/'.join(leaf)} has shape {np.shape(array)}; "
+                                     f"config implies {expected.get(leaf, 'no such leaf')}")
+            for name, array in zip(names, to_hf(value), strict=True):
+                yield name, np.ascontiguousarray(np.asarray(array).astype(np_dtype))
+            continue
         if isinstance(value, dict):
             raise ValueError(f"params {'/'.join(ours)} is a quantised kernel {sorted(value)}; "
                              "write float weights (quant.dequantize_params(params) first)")

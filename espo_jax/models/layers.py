@@ -39,18 +39,23 @@ def weight(
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * scale, the statistics in fp32 (HF Qwen3RMSNorm)."""
+    """x * rsqrt(mean(x^2) + eps) * scale, the statistics in fp32 (HF Qwen3RMSNorm). With
+    `zero_centered` (Qwen3-Next, Qwen3.5) the factor is (1 + scale), scale initialised to 0,
+    applied in fp32 before the cast (HF Qwen3NextRMSNorm)."""
 
     eps: float
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    zero_centered: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = weight(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",),
-                       self.param_dtype)
+        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+        scale = weight(self, "scale", init, (x.shape[-1],), ("norm",), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centered:
+            return (y * (1.0 + jnp.asarray(scale, jnp.float32))).astype(self.dtype)
         return jnp.asarray(scale, self.dtype) * y.astype(self.dtype)
 
 
@@ -87,7 +92,8 @@ def dense(config: ModelConfig, features: int, axes: Axes, name: str, bias: bool 
 
 
 def rms_norm(config: ModelConfig, name: str) -> RMSNorm:
-    return RMSNorm(config.rms_eps, dtype=config.dtype, param_dtype=config.param_dtype, name=name)
+    return RMSNorm(config.rms_eps, dtype=config.dtype, param_dtype=config.param_dtype,
+                   zero_centered=config.norm_zero_centered, name=name)
 
 
 def write_cache(
@@ -320,10 +326,12 @@ class Attention(nn.Module):
         valid_BxT = segments_BxT > 0
         b, t, _ = x_BxTxD.shape
         h, kv, a = c.n_heads, c.n_kv_heads, c.head_dim
-        q = dense(c, h * a, ("embed", "heads"), "q_proj", c.qkv_bias)(x_BxTxD)
+        gated = 2 if c.attn_output_gate else 1  # per head [query A, gate A] (Qwen3-Next)
+        q = dense(c, h * a * gated, ("embed", "heads"), "q_proj", c.qkv_bias)(x_BxTxD)
         k = dense(c, kv * a, ("embed", "kv_heads"), "k_proj", c.qkv_bias)(x_BxTxD)
         v = dense(c, kv * a, ("embed", "kv_heads"), "v_proj", c.qkv_bias)(x_BxTxD)
-        q_BxTxHxA, k_BxTxKxA = q.reshape(b, t, h, a), k.reshape(b, t, kv, a)
+        q_BxTxHxA, k_BxTxKxA = q.reshape(b, t, h, gated * a)[..., :a], k.reshape(b, t, kv, a)
+        gate_BxTxHxA = q.reshape(b, t, h, gated * a)[..., a:] if gated == 2 else None
         v_BxTxKxA = v.reshape(b, t, kv, a)
         if c.qk_norm:
             q_BxTxHxA = rms_norm(c, "q_norm")(q_BxTxHxA)
@@ -354,7 +362,10 @@ class Attention(nn.Module):
                                keys_BxKxAxS=keys_BxKxAxS, values_BxKxSxA=values_BxKxSxA,
                                key_pos_BxS=key_pos_BxS, key_valid_BxS=key_valid_BxS,
                                key_segments_BxS=key_segments_BxS)
-        out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxKxGxA.reshape(b, t, h * a))
+        out_BxTxHA = out_BxTxKxGxA.reshape(b, t, h * a)
+        if gate_BxTxHxA is not None:
+            out_BxTxHA = out_BxTxHA * jax.nn.sigmoid(gate_BxTxHxA.reshape(b, t, h * a))
+        out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxHA)
         return out, new_cache
 
 

@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from espo_jax.models import quant
+from espo_jax.models import gated_deltanet, quant
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.layers import Attention, Mlp, dense, rms_norm, weight
 from espo_jax.models.mla import LatentAttention, latent_cache_shapes
@@ -47,12 +47,15 @@ class Block(nn.Module):
 
     config: ModelConfig
     moe: bool
+    linear: bool = False  # a Gated DeltaNet token mixer ("linear_attention") instead
 
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, segments_BxT, replay_BxTxk, cache,
                  cache_mask_BxS, weights_BxT=None):
         c = self.config
-        h, new_cache = ATTENTION_MODULES[c.attention](c, name="attn")(
+        mixer = (gated_deltanet.GatedDeltaNet(c, name="linear_attn") if self.linear
+                 else ATTENTION_MODULES[c.attention](c, name="attn"))
+        h, new_cache = mixer(
             rms_norm(c, "attn_norm")(x_BxTxD), positions_BxT, segments_BxT, cache, cache_mask_BxS
         )
         x_BxTxD = x_BxTxD + h
@@ -106,7 +109,8 @@ class Transformer(nn.Module):
             replay = replay_BxTxMxk[:, :, m] if (moe and replay_BxTxMxk is not None) else None
             layer_cache = None if cache is None else cache[f"layers_{i}"]
             block = nn.remat(Block) if c.remat else Block
-            x, layer_cache, routing = block(c, moe, name=f"layers_{i}")(
+            linear = c.layer_type(i) == "linear_attention"
+            x, layer_cache, routing = block(c, moe, linear, name=f"layers_{i}")(
                 x, positions_BxT, segments_BxT, replay, layer_cache, cache_mask_BxS, weights_BxT
             )
             x = _constrain(x)
@@ -197,7 +201,8 @@ def forward(
         if missing:
             raise ValueError(f"cache lacks entries for {missing}; build it with init_cache")
         s = cache_length(cache)
-        _check_shape("cache_mask_BxS", cache_mask_BxS, (b, s))
+        if s is not None:
+            _check_shape("cache_mask_BxS", cache_mask_BxS, (b, s))
         cache_mask_BxS = jnp.asarray(cache_mask_BxS).astype(bool)
     hidden, logits, r_logits, experts, own, stats, new_cache = Transformer(config).apply(
         {"params": params}, tokens_BxT, jnp.asarray(positions_BxT), segments_BxT,
@@ -250,10 +255,15 @@ def lm_head_kernel(config: ModelConfig, params: dict, dtype: Any = None) -> jax.
     return quant.maybe_dequant(params["lm_head"]["kernel"], dtype)
 
 
-def cache_length(cache: dict) -> int:
-    """S, the slots of a cache from `init_cache` (either attention kind)."""
-    layer = cache["layers_0"]
-    return layer["latent"].shape[1] if "latent" in layer else layer["v"].shape[2]
+def cache_length(cache: dict) -> int | None:
+    """S, the slots of a cache from `init_cache` (either attention kind; None when every layer
+    is linear attention, whose cache has no slots)."""
+    for layer in cache.values():
+        if "latent" in layer:
+            return layer["latent"].shape[1]
+        if "v" in layer:
+            return layer["v"].shape[2]
+    return None
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:
@@ -262,13 +272,18 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     major, the keys with the slots minor: a decode step's scores and weighted values are then
     [G, A] x [A, S] and [G, S] x [S, A] products with no transpose (`layers.attend_keys`).
     MLA (`attention == "mla"`): {"latent": [B, S, C], "k_rope": [B, S, R]} per layer, the
-    compressed latent and rope key (`mla`): (C + R) * bytes-per-number per token and layer."""
+    compressed latent and rope key (`mla`): (C + R) * bytes-per-number per token and layer.
+    A linear_attention layer holds its conv windows and recurrent state instead, of a size
+    independent of max_len (`gated_deltanet.cache_shapes`; the state float32)."""
     dtype = dtype or config.dtype
+    linear = {name: (shape, dt or dtype)
+              for name, (shape, dt) in gated_deltanet.cache_shapes(config, batch).items()}
     if config.attention == "mla":
-        shapes = latent_cache_shapes(config, batch, max_len)
-        return {f"layers_{i}": {name: jnp.zeros(shape, dtype) for name, shape in shapes.items()}
-                for i in range(config.n_layers)}
-    shape = (batch, config.n_kv_heads, max_len, config.head_dim)
-    shape_k = (batch, config.n_kv_heads, config.head_dim, max_len)
-    return {f"layers_{i}": {"k": jnp.zeros(shape_k, dtype), "v": jnp.zeros(shape, dtype)}
-            for i in range(config.n_layers)}
+        attn = {name: (shape, dtype)
+                for name, shape in latent_cache_shapes(config, batch, max_len).items()}
+    else:
+        attn = {"k": ((batch, config.n_kv_heads, config.head_dim, max_len), dtype),
+                "v": ((batch, config.n_kv_heads, max_len, config.head_dim), dtype)}
+    return {f"layers_{i}": {name: jnp.zeros(shape, dt) for name, (shape, dt) in (
+        linear if config.layer_type(i) == "linear_attention" else attn).items()}
+        for i in range(config.n_layers)}
