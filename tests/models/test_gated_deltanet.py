@@ -1,0 +1,164 @@
+"""Gated DeltaNet: the chunked parallel form equals the token-by-token recurrence (values, final
+state and gradients) for several chunk sizes, with segment boundaries inside and on chunk edges;
+a packed row equals its sequences run alone; a cached prefill + decode equals the uncached
+forward (tiny_qwen3_next, both layer kinds)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from espo_jax import models
+from espo_jax.models import gated_deltanet as gd
+
+B, T, H, K, V = 2, 29, 3, 8, 6
+
+
+@functools.cache
+def _inputs():
+    r = np.random.default_rng(0)
+    q = gd.l2norm(jnp.asarray(r.normal(size=(B, T, H, K)), jnp.float32)) * K ** -0.5
+    k = gd.l2norm(jnp.asarray(r.normal(size=(B, T, H, K)), jnp.float32))
+    v = jnp.asarray(r.normal(size=(B, T, H, V)), jnp.float32)
+    g = -jnp.asarray(r.uniform(0, 1.5, size=(B, T, H)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(B, T, H)), jnp.float32)
+    seg = np.ones((B, T), np.int32)
+    seg[0, 5:] = 2  # inside the first chunk of 8 (and of 3: at 5)
+    seg[0, 16:] = 3  # on a chunk edge of 8
+    seg[0, 17:] = 4  # a one-token segment
+    seg[1, 25:] = 0  # padding at the end
+    s0 = jnp.asarray(r.normal(size=(B, H, K, V)), jnp.float32)
+    return q, k, v, g, beta, jnp.asarray(seg), s0
+
+
+def _loss(fn, q, k, v, g, beta, seg, s0):
+    o, s = fn(q, k, v, g, beta, seg, s0)
+    w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
+    return jnp.sum(o * w) + jnp.sum(jnp.sin(s))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+def test_chunked_equals_recurrent_values_and_gradients(chunk):
+    args = _inputs()
+    chunked = functools.partial(gd.chunk_gated_delta_rule, chunk=chunk)
+    chunked_fn = lambda q, k, v, g, b, s, s0: chunked(q, k, v, g, b, s, state_BxHxKxV=s0)
+    o_c, s_c = jax.jit(chunked_fn)(*args)
+    o_r, s_r = jax.jit(gd.recurrent_gated_delta_rule)(*args)
+    np.testing.assert_allclose(o_c, o_r, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(s_c, s_r, atol=2e-6, rtol=0)
+    argnums = (0, 1, 2, 3, 4, 6)
+    g_c = jax.jit(jax.grad(functools.partial(_loss, chunked_fn), argnums))(*args)
+    g_r = jax.jit(jax.grad(functools.partial(_loss, gd.recurrent_gated_delta_rule),
+                           argnums))(*args)
+    for a, b in zip(g_c, g_r, strict=True):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+
+
+def test_segment_boundaries_reset_the_state():
+    """Tokens after a boundary do not depend on tokens before it; the initial state reaches only
+    the first segment."""
+    q, k, v, g, beta, seg, s0 = _inputs()
+    o, _ = gd.chunk_gated_delta_rule(q, k, v, g, beta, seg, 8, s0)
+    v2 = v.at[0, :5].add(1.0)  # change segment 1 of row 0
+    o2, _ = gd.chunk_gated_delta_rule(q, k, v2, g, beta, seg, 8, s0)
+    np.testing.assert_array_equal(o[0, 5:], o2[0, 5:])
+    assert np.abs(np.asarray(o[0, :5] - o2[0, :5])).max() > 1e-3
+    o3, _ = gd.chunk_gated_delta_rule(q, k, v, g, beta, seg, 8, None)
+    np.testing.assert_array_equal(o[0, 5:], o3[0, 5:])
+    assert np.abs(np.asarray(o[0, :5] - o3[0, :5])).max() > 1e-3
+
+
+def test_causal_conv_reads_only_its_segment():
+    r = np.random.default_rng(1)
+    x = jnp.asarray(r.normal(size=(1, 6, 2)), jnp.float32)
+    kernel = jnp.asarray(r.normal(size=(3, 2)), jnp.float32)
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2]])
+    out, _ = gd.causal_conv(x, kernel, seg)
+    # token 4 (segment 2, second token): kernel[1] * x3 + kernel[2] * x4 (x2 is segment 1)
+    pre = kernel[1] * x[0, 3] + kernel[2] * x[0, 4]
+    np.testing.assert_allclose(out[0, 4], jax.nn.silu(pre), rtol=1e-6)
+    # token 2 (segment 1): the full window x0, x1, x2
+    pre = kernel[0] * x[0, 0] + kernel[1] * x[0, 1] + kernel[2] * x[0, 2]
+    np.testing.assert_allclose(out[0, 2], jax.nn.silu(pre), rtol=1e-6)
+
+
+@functools.cache
+def _model():
+    config = models.get_preset("tiny_qwen3_next")
+    params = models.init_params(config, jax.random.key(0))
+    # A_log, dt_bias and the norms away from their init so every term matters
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [x + 0.2 * jax.random.normal(kk, x.shape, x.dtype) for x, kk in zip(leaves, keys)]
+    return config, jax.tree.unflatten(tree, leaves)
+
+
+def test_packed_row_equals_sequences_alone():
+    config, params = _model()
+    r = np.random.default_rng(2)
+    lens = (13, 6, 11)  # boundaries at 13 and 19: inside chunks of 8
+    seqs = [r.integers(0, config.vocab_size, n) for n in lens]
+    fwd = jax.jit(functools.partial(models.forward, config))
+    row = np.concatenate(seqs + [np.zeros(2, np.int64)])[None]
+    seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)] + [np.zeros(2)])[None]
+    pos = np.concatenate([np.arange(n) for n in lens] + [np.zeros(2)])[None]
+    packed = fwd(params, row, positions_BxT=pos.astype(np.int32),
+                 segment_ids_BxT=seg.astype(np.int32)).logits[0]
+    start = 0
+    for s, n in zip(seqs, lens, strict=True):
+        alone = jax.jit(functools.partial(models.forward, config))(params, s[None]).logits[0]
+        np.testing.assert_allclose(packed[start:start + n], alone, atol=2e-5, rtol=0)
+        start += n
+
+
+def test_cached_prefill_and_decode_equal_the_full_forward():
+    """Right-padded prompts prefilled through the cache (chunked form with the padding left
+    out of the state and conv window), then one token at a time (recurrent form): each step's
+    logits equal the uncached forward's at that position."""
+    config, params = _model()
+    r = np.random.default_rng(3)
+    n_total, p = 30, 20
+    toks = r.integers(0, config.vocab_size, (2, n_total))
+    lengths = np.array([20, 13])
+    full = jax.jit(functools.partial(models.forward, config))(params, toks).logits
+    full_short = jax.jit(functools.partial(models.forward, config))(
+        params, toks[1:, :13 + 10]).logits
+    s = 40
+    cache = models.init_cache(config, 2, s)
+    valid = np.arange(p)[None] < lengths[:, None]
+    prompt = np.where(valid, toks[:, :p], 0)
+    fwd = jax.jit(functools.partial(models.forward, config))
+    out = fwd(params, prompt, attention_mask_BxT=valid, cache=cache,
+              cache_mask_BxS=np.zeros((2, s), bool))
+    np.testing.assert_allclose(out.logits[0], full[0, :p], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(out.logits[1, :13], full_short[0, :13], atol=2e-5, rtol=0)
+    cache, mask = out.cache, np.arange(s)[None] < lengths[:, None]
+    pos = lengths.copy()
+    for step in range(10):
+        feed = np.array([toks[0, pos[0]], toks[1, pos[1]]])[:, None]
+        out = fwd(params, feed, positions_BxT=pos[:, None], cache=cache, cache_mask_BxS=mask)
+        np.testing.assert_allclose(out.logits[0, 0], full[0, pos[0]], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(out.logits[1, 0], full_short[0, pos[1]], atol=2e-5, rtol=0)
+        mask = mask | (np.arange(s)[None] == pos[:, None])
+        cache, pos = out.cache, pos + 1
+    del step
+
+
+def test_cache_memory_per_slot():
+    """A linear layer's cache per slot: (W - 1) conv inputs of q, k and v plus the fp32 state,
+    independent of the cache length; a full-attention layer's grows with it."""
+    config = models.get_preset("tiny_qwen3_next")
+    w, qk, v = 3, 2 * 8, 4 * 8
+    for s in (16, 64):
+        cache = models.init_cache(config, 1, s)
+        lin = sum(x.nbytes for x in cache["layers_0"].values())
+        assert lin == 4 * (w * (2 * qk + v)) + 4 * 4 * 8 * 8
+        full = sum(x.nbytes for x in cache["layers_1"].values())
+        assert full == 4 * 2 * 2 * 16 * s  # k and v: K=2 heads of 16, fp32
+    real = models.get_preset("qwen3_next_80b_a3b")
+    shapes = jax.eval_shape(lambda: models.init_cache(real, 1, 1))
+    lin = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["layers_0"]))
+    assert lin == 3 * (2 * 2048 + 4096) * 2 + 32 * 128 * 128 * 4 == 2_146_304
