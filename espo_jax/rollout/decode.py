@@ -59,7 +59,7 @@ class DecodeState:
     """Everything about the B decode slots; S = max_cache_len."""
 
     cache: dict  # per layer k [B, K, A, S], v [B, K, S, A], or MLA's latent [B, S, C] and
-    # rope key [B, S, R] (`models.init_cache`)
+    # rope key [B, S, R], or a linear layer's conv windows and state (`models.init_cache`)
     cache_mask_BxS: jax.Array  # True = slot holds a real token of the row's sequence
     tokens_BxS: jax.Array  # prompt then sampled tokens
     logprobs_BxS: jax.Array  # at sampled positions
@@ -128,12 +128,14 @@ def _insert(prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R, sp: Slo
     r = slots_R.shape[0]
     n_R = prefix.lengths_N[rows_R]
     # the prefix's P slots of each layer: the keys' slot axis is 3 ([B, K, A, S]), the values'
-    # 2; MLA's latent and rope key [B, S, N] have it at 1
+    # 2; MLA's latent and rope key [B, S, N] have it at 1. A linear-attention layer's conv
+    # windows and state (`gated_deltanet.cache_shapes`) have no slot axis: copied whole.
     put_slots = {"k": lambda c, x: c.at[slots_R, :, :, :p].set(x, mode="drop"),
                  "v": lambda c, x: c.at[slots_R, :, :p].set(x, mode="drop"),
                  "latent": lambda c, x: c.at[slots_R, :p].set(x, mode="drop"),
                  "k_rope": lambda c, x: c.at[slots_R, :p].set(x, mode="drop")}
-    cache = {layer: {n: put_slots[n](c, prefix.cache[layer][n][rows_R].astype(c.dtype))
+    whole = lambda c, x: c.at[slots_R].set(x, mode="drop")
+    cache = {layer: {n: put_slots.get(n, whole)(c, prefix.cache[layer][n][rows_R].astype(c.dtype))
                      for n, c in kv.items()}
              for layer, kv in state.cache.items()}
     tok_R, lp_R = sample(

@@ -92,25 +92,31 @@ def _model():
     # A_log, dt_bias and the norms away from their init so every term matters
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [x + 0.2 * jax.random.normal(kk, x.shape, x.dtype) for x, kk in zip(leaves, keys)]
+    leaves = [x + 0.2 * jax.random.normal(kk, x.shape, x.dtype)
+              for x, kk in zip(leaves, keys, strict=True)]
     return config, jax.tree.unflatten(tree, leaves)
 
 
 def test_packed_row_equals_sequences_alone():
+    """Row 0 packs three sequences (boundaries at 13 and 19: inside chunks of 8); rows 1-3 hold
+    each alone, right-padded (one batch, one compile)."""
     config, params = _model()
     r = np.random.default_rng(2)
-    lens = (13, 6, 11)  # boundaries at 13 and 19: inside chunks of 8
+    lens, width = (13, 6, 11), 32
     seqs = [r.integers(0, config.vocab_size, n) for n in lens]
-    fwd = jax.jit(functools.partial(models.forward, config))
-    row = np.concatenate(seqs + [np.zeros(2, np.int64)])[None]
-    seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)] + [np.zeros(2)])[None]
-    pos = np.concatenate([np.arange(n) for n in lens] + [np.zeros(2)])[None]
-    packed = fwd(params, row, positions_BxT=pos.astype(np.int32),
-                 segment_ids_BxT=seg.astype(np.int32)).logits[0]
+    toks, seg, pos = (np.zeros((4, width), np.int32) for _ in range(3))
     start = 0
-    for s, n in zip(seqs, lens, strict=True):
-        alone = jax.jit(functools.partial(models.forward, config))(params, s[None]).logits[0]
-        np.testing.assert_allclose(packed[start:start + n], alone, atol=2e-5, rtol=0)
+    for i, (s, n) in enumerate(zip(seqs, lens, strict=True)):
+        toks[0, start:start + n], seg[0, start:start + n] = s, i + 1
+        pos[0, start:start + n] = np.arange(n)
+        toks[i + 1, :n], seg[i + 1, :n], pos[i + 1, :n] = s, 1, np.arange(n)
+        start += n
+    logits = jax.jit(functools.partial(models.forward, config))(
+        params, toks, positions_BxT=pos, segment_ids_BxT=seg).logits
+    start = 0
+    for i, n in enumerate(lens):
+        np.testing.assert_allclose(logits[0, start:start + n], logits[i + 1, :n], atol=2e-5,
+                                   rtol=0)
         start += n
 
 
@@ -137,14 +143,13 @@ def test_cached_prefill_and_decode_equal_the_full_forward():
     np.testing.assert_allclose(out.logits[1, :13], full_short[0, :13], atol=2e-5, rtol=0)
     cache, mask = out.cache, np.arange(s)[None] < lengths[:, None]
     pos = lengths.copy()
-    for step in range(10):
+    for _ in range(10):
         feed = np.array([toks[0, pos[0]], toks[1, pos[1]]])[:, None]
         out = fwd(params, feed, positions_BxT=pos[:, None], cache=cache, cache_mask_BxS=mask)
         np.testing.assert_allclose(out.logits[0, 0], full[0, pos[0]], atol=2e-5, rtol=0)
         np.testing.assert_allclose(out.logits[1, 0], full_short[0, pos[1]], atol=2e-5, rtol=0)
         mask = mask | (np.arange(s)[None] == pos[:, None])
         cache, pos = out.cache, pos + 1
-    del step
 
 
 def test_cache_memory_per_slot():

@@ -1,0 +1,161 @@
+"""Qwen3-Next and Qwen3.5-MoE against transformers (fp32, eager attention, CPU; transformers'
+torch Gated DeltaNet, `torch_chunk_gated_delta_rule` with chunks of 64, is the reference).
+
+Tiny random models built with transformers' own config classes (both layer types, value heads
+grouped over key heads, a dense layer in the Qwen3-Next case), every weight random, are saved
+with `save_pretrained`, read with `hf_io.from_pretrained` and compared on 150-token sequences
+(three of HF's chunks; ours at chunk 64 and 16): logits and router logits. `hf_io.save_pretrained`
+output loads back into transformers with equal logits; greedy decoding through the rollout
+engine equals transformers' `generate`.
+"""
+
+import functools
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+from espo_jax.models import forward, hf_io
+
+B, T = 2, 150
+_COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, moe_intermediate_size=16,
+               shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+               max_position_embeddings=512,
+               layer_types=["linear_attention", "full_attention", "linear_attention",
+                            "linear_attention"])
+CASES = {
+    # decoder_sparse_step 2: layers 1 and 3 MoE, 0 and 2 dense SwiGLU
+    "qwen3_next": (Qwen3NextConfig, dict(intermediate_size=40, decoder_sparse_step=2)),
+    "qwen3_5_moe_text": (Qwen3_5MoeTextConfig, dict(tie_word_embeddings=False)),
+}
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Every weight random: zero-centred norms around 0, the gated norm around 1, decays
+    spread."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith(("A_log", "dt_bias")):  # decays exp(g) ~ 0.5 to 0.95
+                p.copy_(0.5 * torch.randn_like(p) - 1.0)
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+
+
+@functools.cache
+def _hf_dir(case: str, root: str) -> str:
+    cls, overrides = CASES[case]
+    torch.manual_seed(sum(map(ord, case)))
+    model = AutoModelForCausalLM.from_config(cls(**(_COMMON | overrides)),
+                                             attn_implementation="eager", dtype=torch.float32)
+    _randomize(model)
+    path = os.path.join(root, case)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf"))
+
+
+@functools.cache
+def _tokens() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, _COMMON["vocab_size"], (B, T))
+
+
+@functools.cache
+def _hf_forward(path: str):
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                 dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model, model(torch.as_tensor(_tokens()), output_router_logits=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(root, case):
+    path = _hf_dir(case, root)
+    config, params = hf_io.from_pretrained(path)
+    hf_model, hf_out = _hf_forward(path)
+    assert config.param_count() == sum(p.numel() for p in hf_model.parameters()) == sum(
+        x.size for x in jax.tree.leaves(params))
+    assert config.linear_layers == (0, 2, 3) and config.moe_layers == (
+        (1, 3) if case == "qwen3_next" else (0, 1, 2, 3))
+    for chunk in (64, 16):
+        out = jax.jit(functools.partial(forward, config.replace(linear_chunk=chunk)))(
+            params, _tokens())
+        diff = float(np.max(np.abs(np.asarray(out.logits) - hf_out.logits.numpy())))
+        print(f"{case} chunk {chunk}: max |logit diff| {diff:.2e}")
+        assert diff < 1e-4
+    for m, r in enumerate(hf_out.router_logits):
+        np.testing.assert_allclose(np.asarray(out.router_logits[m]).reshape(B * T, -1),
+                                   r.numpy(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_save_pretrained_loads_in_transformers(root, tmp_path, case):
+    src = _hf_dir(case, root)
+    config, params = hf_io.from_pretrained(src)
+    hf_io.save_pretrained(config, params, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == "qwen3_next"
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    _, ref = _hf_forward(src)
+    with torch.no_grad():
+        logits = model(torch.as_tensor(_tokens())).logits
+    assert torch.equal(logits, ref.logits)  # same numbers, same code: bitwise equal
+    back, params2 = hf_io.from_pretrained(str(tmp_path))
+    assert back == config.replace(norm_topk_prob=back.norm_topk_prob)
+    jax.tree.map(np.testing.assert_array_equal, params, params2)
+
+
+def test_multimodal_config_mtp_and_vision_skipped(root, tmp_path, caplog):
+    """A `qwen3_5_moe` checkpoint (text model under text_config, tensors under
+    model.language_model.) reads as its text model; mtp.* and model.visual.* are skipped with a
+    log line; any other unknown tensor is refused."""
+    src = _hf_dir("qwen3_5_moe_text", root)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    moved = {("model.language_model." + n[6:] if n.startswith("model.") else n): x
+             for n, x in tensors.items()}
+    extra = {"mtp.fc.weight": np.ones((4, 4), np.float32),
+             "model.visual.patch_embed.proj.weight": np.ones((4, 4), np.float32)}
+    save_file(moved | extra, str(tmp_path / "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        text = json.load(f)
+    top = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+           "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    with caplog.at_level(logging.INFO, logger="espo_jax.models.hf_io"):
+        config, params = hf_io.from_pretrained(str(tmp_path))
+    assert "skipped 2 multi-token-prediction / vision tensors" in caplog.text
+    ref_config, ref_params = hf_io.from_pretrained(src)
+    assert config == ref_config
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+    save_file(moved | {"model.language_model.layers.0.odd.weight": np.ones(2, np.float32)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="1 tensors the model does not use"):
+        hf_io.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("attention_bias", True),
+                                          ("layer_types", ["linear_attention", "sliding"] * 2)])
+def test_unsupported_fields_are_refused_by_name(root, field, value):
+    with open(os.path.join(_hf_dir("qwen3_next", root), "config.json")) as f:
+        hf = json.load(f)
+    with pytest.raises(ValueError, match=field):
+        hf_io.config_from_hf(hf | {field: value})
