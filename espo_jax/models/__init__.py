@@ -25,6 +25,12 @@ qk_nope_head_dim, Dv v_head_dim, Q = P + R):
   {"q_proj": [D, H*Q]} | {"q_a_proj": [D, q_lora_rank], "q_a_norm": {"scale"},
    "q_b_proj": [q_lora_rank, H*Q]}, "kv_a_proj": [D, C+R], "kv_a_norm": {"scale": [C]},
   "kv_b_proj": [C, H*(P+Dv)], "o_proj": [H*Dv, D] (each {"kernel": ...}).
+A "linear_attention" layer (`layer_types`; Qwen3-Next, Qwen3.5) has "linear_attn" instead of
+"attn" (Hk/Dk key heads, Hv/Dv value heads, W conv width; `gated_deltanet`):
+  {"q_proj", "k_proj": [D, Hk*Dk], "v_proj", "z_proj": [D, Hv*Dv], "b_proj", "a_proj": [D, Hv]
+   (each {"kernel"}), "conv_q", "conv_k": [W, Hk*Dk], "conv_v": [W, Hv*Dv], "A_log", "dt_bias":
+   [Hv], "norm": {"scale": [Dv]}, "o_proj": {"kernel": [Hv*Dv, D]}};
+with attn_output_gate a GQA q_proj is [D, H*2A], per head [query A, gate A].
 "e_score_correction_bias" (router == "sigmoid_group") orders experts and never receives a
 gradient; "shared_experts" (n_shared_experts > 0) is one SwiGLU of width n_shared_experts * F.
 Kernels are [in, out]. A kernel may also be an FP8 pytree {"qvalue", "scale"} (see `quant`).
