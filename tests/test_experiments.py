@@ -31,9 +31,10 @@ EXPERIMENTS = sorted(name for name in (os.path.basename(p)[:-3] for p in glob.gl
 ARITH = ("arith_espo", "arith_grpo", "arith_dapo", "arith_gspo", "arith_gspo_token")
 # Full size validated and shaped here (on the learner devices they name); their small variants
 # run. deepseek_v3 and glm45_air: tests/test_scale_configs.py holds their memory figures.
-REAL_SCALE = {"qwen3_30b_a3b": 8, "deepseek_v3": 256, "glm45_air": 32}
+REAL_SCALE = {"qwen3_30b_a3b": 8, "deepseek_v3": 256, "glm45_air": 32, "qwen35_moe": 16}
 # Small variants of another model family than the default's (their presets' tiny versions)
-FAMILY_PRESETS = {"deepseek_v3": "tiny_deepseek_v3", "glm45_air": "tiny_glm45"}
+FAMILY_PRESETS = {"deepseek_v3": "tiny_deepseek_v3", "glm45_air": "tiny_glm45",
+                  "qwen35_moe": "tiny_qwen35_moe"}
 # The worker layout's experiments: the keys they change from the default (the workers' count and
 # staleness they set equal the defaults').
 LAYOUT = {"arith_espo_async": {"train.loop", "rollout.reward_workers"}}
