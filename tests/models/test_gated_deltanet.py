@@ -88,13 +88,18 @@ def test_causal_conv_reads_only_its_segment():
 @functools.cache
 def _model():
     config = models.get_preset("tiny_qwen3_next")
-    params = models.init_params(config, jax.random.key(0))
-    # A_log, dt_bias and the norms away from their init so every term matters
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [x + 0.2 * jax.random.normal(kk, x.shape, x.dtype)
-              for x, kk in zip(leaves, keys, strict=True)]
-    return config, jax.tree.unflatten(tree, leaves)
+
+    @jax.jit
+    def init(key):
+        params = models.init_params(config, key)
+        # A_log, dt_bias and the norms away from their init so every term matters
+        leaves, tree = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        leaves = [x + 0.2 * jax.random.normal(kk, x.shape, x.dtype)
+                  for x, kk in zip(leaves, keys, strict=True)]
+        return jax.tree.unflatten(tree, leaves)
+
+    return config, init(jax.random.key(0))
 
 
 def test_packed_row_equals_sequences_alone():
