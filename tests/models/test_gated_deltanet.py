@@ -120,8 +120,8 @@ def test_packed_row_equals_sequences_alone():
         params, toks, positions_BxT=pos, segment_ids_BxT=seg).logits
     start = 0
     for i, n in enumerate(lens):
-        np.testing.assert_allclose(logits[0, start:start + n], logits[i + 1, :n], atol=2e-5,
-                                   rtol=0)
+        np.testing.assert_allclose(logits[0, start:start + n], logits[i + 1, :n], atol=5e-5,
+                                   rtol=0)  # fp32 summation order (2e-5 seen)
         start += n
 
 
