@@ -24,7 +24,7 @@ decode cache is 2,146,304 bytes per slot whatever the length (bf16 conv windows,
 `gated_deltanet`), against 4 KiB per token for a full-attention layer's bf16 keys and values.
 
 Laptop-size variant (tiny random Qwen3.5-MoE: linear and full layers, grouped value heads,
-chunks of 8; arithmetic, JAX engine, sync loop; what the tests run):
+chunks of 8; arithmetic, JAX engine, sync loop, packed learner rows; what the tests run):
 
     python -m espo_jax.main --config experiments/qwen35_moe.py:small --workdir /tmp/qwen35_small
 
@@ -54,4 +54,7 @@ def get_config(arg: str | None = None):
                                     "hf_path": "/models/Qwen3.5-35B-A3B"})
     c = scale.espo_config(arg, PRESET, VOCAB, arg.devices or 16)
     c.train.share_prompts = False
-    return scale.small(c, "tiny_qwen35_moe") if arg.small else c
+    if arg.small:  # packed rows here (one micro-batch): the Gated DeltaNet's segment resets run
+        c = scale.small(c, "tiny_qwen35_moe")
+        c.train.pack = True
+    return c
