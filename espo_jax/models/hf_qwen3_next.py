@@ -77,9 +77,11 @@ def config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     if model_type == "qwen3_next":
         step, mlp_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
         moe = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
-        from espo_jax.models.hf_config import _moe_every_for
-
-        moe_every, d_ff = _moe_every_for(moe, n_layers), hf.get("intermediate_size", 5632)
+        if moe != tuple(i for i in range(n_layers) if (i + 1) % step == 0):
+            raise ValueError(f"{model_type}: mlp_only_layers {sorted(mlp_only)} with "
+                             f"decoder_sparse_step {step} is not a pattern ModelConfig.moe_every "
+                             "can express")
+        moe_every, d_ff = step, hf.get("intermediate_size", 5632)
         norm_topk = bool(hf.get("norm_topk_prob", True))
     else:  # Qwen3.5-MoE: every layer MoE, top-k weights always renormalised
         moe_every, d_ff, norm_topk = 1, hf["moe_intermediate_size"], True
