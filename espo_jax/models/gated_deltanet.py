@@ -20,7 +20,8 @@ decoding). Packed rows (several sequences in one row, `segment_ids`) restart the
 every segment boundary: the decay between tokens of different segments is zero, applied as a
 mask, so a boundary anywhere in a chunk is exact. The conv reads only its own segment's inputs.
 A shared prefix (`layers.PREFIX_STRIDE` segment ids) is not a sequence this layer can continue
-from: each segment id starts from a zero state.
+from: each segment id starts from a zero state, so `train.share_prompts` is refused for models
+with these layers (`config_validation`, the learner).
 
 Cache (`cache_shapes`), per slot and layer: the last W - 1 conv inputs of q, k, v and the state
 [Hv, Dk, Dv] in float32: (W - 1) (2 Hk Dk + Hv Dv) numbers in the cache dtype plus 4 Hv Dk Dv
