@@ -12,7 +12,7 @@ import os
 
 import ml_collections
 
-from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS, get_preset
+from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
 from espo_jax.rewards.pool import BACKENDS as REWARD_BACKENDS
 from espo_jax.rollout.decode import PRECISIONS
 
@@ -306,12 +306,6 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
         if config.train.pack and 0 < config.train.pack_len < row:
             errors.append(f"train.pack_len = {config.train.pack_len} is shorter than an RL row "
                           f"(rollout.max_prompt_len + max_new_tokens - 1 = {row}); 0 = {2 * row}")
-        if (config.train.pack and config.train.share_prompts and config.model.preset in PRESETS
-                and get_preset(config.model.preset).linear_layers):
-            errors.append(
-                f"train.share_prompts=True with model.preset {config.model.preset!r}: its "
-                "Gated DeltaNet layers start each packed segment from a zero state and cannot "
-                "continue a shared prompt copy; set train.share_prompts=False")
         if config.train.pack and config.train.micro_batches > 1:
             errors.append(
                 f"train.pack=True needs train.micro_batches == 1 (got "

@@ -24,7 +24,8 @@ decode cache is 2,146,304 bytes per slot whatever the length (bf16 conv windows,
 `gated_deltanet`), against 4 KiB per token for a full-attention layer's bf16 keys and values.
 
 Laptop-size variant (tiny random Qwen3.5-MoE: linear and full layers, grouped value heads,
-chunks of 8; arithmetic, JAX engine, sync loop, packed learner rows; what the tests run):
+chunks of 8; arithmetic, JAX engine, sync loop, packed rows sharing prompts; what the tests
+run):
 
     python -m espo_jax.main --config experiments/qwen35_moe.py:small --workdir /tmp/qwen35_small
 
@@ -34,8 +35,6 @@ Arguments (`:a=1,b=2`): small, hf_path, train_jsonl, test_jsonl, devices (learne
 Choices where the papers are silent (each can be overridden with `--config.x.y=...`):
   - `moe_scale_common`'s (1024 prompt + 15360 response tokens, 4 updates per rollout batch,
     one 16k sequence per batch shard per micro-batch, constant lr after 10 warm-up steps).
-  - Shared prompt copies in packed rows are off (`train.share_prompts`): a Gated DeltaNet layer
-    starts each packed segment from a zero state and cannot continue a shared prompt.
 """
 
 import os
@@ -53,8 +52,8 @@ def get_config(arg: str | None = None):
     arg = configs.parse_arg(arg, **{**scale.ARGS, "expert": 8,
                                     "hf_path": "/models/Qwen3.5-35B-A3B"})
     c = scale.espo_config(arg, PRESET, VOCAB, arg.devices or 16)
-    c.train.share_prompts = False
-    if arg.small:  # packed rows here (one micro-batch): the Gated DeltaNet's segment resets run
+    if arg.small:  # packed rows with shared prompts here (one micro-batch): the Gated
+        # DeltaNet's segment resets and prefix continuations run
         c = scale.small(c, "tiny_qwen35_moe")
         c.train.pack = True
     return c

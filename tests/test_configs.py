@@ -122,17 +122,6 @@ def test_packing_refuses_micro_batches():
     config_validation.validate(c, n_devices=1)
 
 
-def test_shared_prompts_refused_for_linear_attention_presets():
-    """A packed shared prompt copy cannot seed a Gated DeltaNet layer's state: refused."""
-    c = _small()
-    c.model.preset, c.train.pack, c.train.share_prompts = "tiny_qwen3_next", True, True
-    with pytest.raises(ValueError, match="train.share_prompts=True with model.preset "
-                                         "'tiny_qwen3_next'"):
-        config_validation.validate(c, n_devices=1)
-    c.train.share_prompts = False
-    config_validation.validate(c, n_devices=1)
-
-
 def test_mesh_larger_than_devices():
     c = _small()
     c.mesh.data, c.mesh.expert = 2, 4

@@ -18,10 +18,10 @@ sequences: the learner and prefill; within a chunk of C tokens the delta updates
 unit-lower-triangular solve, chunks follow in a `lax.scan`) and `recurrent_step` (one token:
 decoding). Packed rows (several sequences in one row, `segment_ids`) restart the state at
 every segment boundary: the decay between tokens of different segments is zero, applied as a
-mask, so a boundary anywhere in a chunk is exact. The conv reads only its own segment's inputs.
-A shared prefix (`layers.PREFIX_STRIDE` segment ids) is not a sequence this layer can continue
-from: each segment id starts from a zero state, so `train.share_prompts` is refused for models
-with these layers (`config_validation`, the learner).
+mask, so a boundary anywhere in a chunk is exact. A shared prefix's members
+(`layers.PREFIX_STRIDE` segment ids: a prompt once, then each response) start from the state
+after the prefix instead (`history`), and their conv reads the prefix's last inputs; the conv
+otherwise reads only its own segment's inputs.
 
 Cache (`cache_shapes`), per slot and layer: the last W - 1 conv inputs of q, k, v and the state
 [Hv, Dk, Dv] in float32: (W - 1) (2 Hk Dk + Hv Dv) numbers in the cache dtype plus 4 Hv Dk Dv
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.layers import dense, weight
+from espo_jax.models.layers import PREFIX_STRIDE, dense, weight
 
 L2_EPS = 1e-6  # transformers / FLA l2norm: x * rsqrt(sum(x^2) + eps)
 
@@ -64,20 +64,31 @@ def l2norm(x: jax.Array) -> jax.Array:
 
 def causal_conv(x_BxTxC: jax.Array, kernel_WxC: jax.Array, segments_BxT: jax.Array,
                 window_BxWxC: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(silu(depthwise causal conv), the last W - 1 inputs): out_t = sum_w kernel[w] *
-    x[t - (W-1) + w] over inputs of t's own segment (zeros elsewhere). `window_BxWxC` holds the
-    W - 1 inputs before x (a cache: they count as x's first segment); the new window is the W - 1
+    """(silu(depthwise causal conv), the last W - 1 inputs): out_t = sum_w kernel[w] * the
+    input W-1-w steps back along t's history (its segment, then for a shared prefix's member
+    the prefix's last inputs; zeros before). `window_BxWxC` holds the W - 1 inputs before x (a
+    cache, one sequence per row: they count as x's first segment); the new window is the W - 1
     inputs before the first token whose segment id is 0 (right padding), or the last ones."""
     b, t, ch = x_BxTxC.shape
     w = kernel_WxC.shape[0]
+    out = jnp.zeros((b, t, ch), jnp.float32)
     if window_BxWxC is None:
-        window_BxWxC = jnp.zeros((b, w - 1, ch), x_BxTxC.dtype)
-        window_seg = jnp.full((b, w - 1), -1, segments_BxT.dtype)
-    else:
-        window_seg = jnp.broadcast_to(segments_BxT[:, :1], (b, w - 1))
+        hist = history(segments_BxT)
+        idx = jnp.arange(t, dtype=jnp.int32)[None]
+        prefix_start = jnp.take_along_axis(hist["start"], jnp.maximum(hist["prefix_end"], 0),
+                                           axis=1)
+        for r in range(w):  # r steps back
+            src = idx - r
+            beyond = r - (idx - hist["start"])  # steps past the segment's start (>= 1: out)
+            src = jnp.where(beyond >= 1, hist["prefix_end"] - beyond + 1, src)
+            ok = (beyond < 1) | (hist["member"] & (src >= prefix_start))
+            xr = jnp.take_along_axis(x_BxTxC, jnp.maximum(src, 0)[:, :, None], axis=1)
+            out += jnp.where(ok[:, :, None], xr, 0).astype(jnp.float32) * kernel_WxC[
+                w - 1 - r].astype(jnp.float32)
+        return jax.nn.silu(out).astype(x_BxTxC.dtype), jnp.zeros((b, w - 1, ch), x_BxTxC.dtype)
+    window_seg = jnp.broadcast_to(segments_BxT[:, :1], (b, w - 1))
     full = jnp.concatenate([window_BxWxC.astype(x_BxTxC.dtype), x_BxTxC], axis=1)
     seg = jnp.concatenate([window_seg, segments_BxT], axis=1)
-    out = jnp.zeros((b, t, ch), jnp.float32)
     for i in range(w):
         same = (seg[:, i:i + t] == segments_BxT)[:, :, None]
         out += jnp.where(same, full[:, i:i + t], 0).astype(jnp.float32) * kernel_WxC[i].astype(
@@ -88,19 +99,43 @@ def causal_conv(x_BxTxC: jax.Array, kernel_WxC: jax.Array, segments_BxT: jax.Arr
     return jax.nn.silu(out).astype(x_BxTxC.dtype), new_window
 
 
+def history(segments_BxT: jax.Array) -> dict[str, jax.Array]:
+    """Where each token's history starts ([B, T] int32 / bool): `start`, the first index of its
+    segment; `member`, a continuation of a shared prefix (`layers.PREFIX_STRIDE` ids g * S + m,
+    m >= 1); `prefix_end`, for members the last index of their group's prefix (segment id
+    g * S) before `start`, else -1; `prefix_id` (g * S)."""
+    b, t = segments_BxT.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    prev = jnp.concatenate([segments_BxT[:, :1], segments_BxT[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where((segments_BxT != prev) | (idx == 0), idx, 0), axis=1)
+    prefix_id = segments_BxT - segments_BxT % PREFIX_STRIDE
+    is_prefix = (segments_BxT >= PREFIX_STRIDE) & (segments_BxT % PREFIX_STRIDE == 0)
+    member = (segments_BxT >= PREFIX_STRIDE) & ~is_prefix
+    last_prefix = jax.lax.cummax(jnp.where(is_prefix, idx, -1), axis=1)
+    e = jnp.take_along_axis(last_prefix, start, axis=1)
+    found = jnp.take_along_axis(segments_BxT, jnp.maximum(e, 0), axis=1) == prefix_id
+    prefix_end = jnp.where(member & (e >= 0) & found, e, -1)
+    return {"start": start, "member": member & (prefix_end >= 0), "prefix_end": prefix_end,
+            "prefix_id": prefix_id, "is_prefix": is_prefix}
+
+
 def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH, segments_BxT,
                            chunk: int, state_BxHxKxV=None):
     """(o [B, T, H, V], final state [B, H, K, V]) of the gated delta rule, C = `chunk` tokens
-    at a time. q (already scaled) and k are per value head. The state restarts (zero) where
-    the segment id changes; `state_BxHxKxV` is the state before the first token (zero if None).
-    All in float32.
+    at a time. q (already scaled) and k are per value head. A token's history is its own
+    segment, plus, for a member of a shared prefix's group (`layers.PREFIX_STRIDE`), that
+    prefix: a segment starts from a zero state, a member from the state after its prefix (the
+    packed layout: a prefix, then its members). `state_BxHxKxV` is the state before the first
+    token (zero if None), the first segment's. All in float32.
 
-    Within a chunk, relative to the state S0 before it (cum_i: the decay's log summed over the
-    chunk up to i; G_ij = exp(cum_i - cum_j) for j <= i of the same segment, else 0; c_i = 1 if
-    i's segment continues S0's): the corrections d (the written values beta (v - S^T k)) solve
-    (I + L) d = beta v - beta c exp(cum) k S0 with L_ij = beta_i k_i.k_j G_ij (j < i), and
-    o_i = c_i exp(cum_i) q_i S0 + sum_{j<=i} q_i.k_j G_ij d_j. The state after the chunk is
-    c_C exp(cum_C) S0 + sum_j G_Cj k_j d_j^T."""
+    Within a chunk, relative to the state S0 before it (h_i: the decay's log summed along i's
+    history from the chunk start, or from its segment's start when that is inside the chunk;
+    G_ij = exp(h_i - h_j) for j <= i in i's history, else 0; c_i = 1 if i's history continues
+    S0): the corrections d (the written values beta (v - S^T k)) solve (I + L) d = beta v -
+    beta c exp(h) k S0 with L_ij = beta_i k_i.k_j G_ij (j < i), and o_i = c_i exp(h_i) q_i S0 +
+    sum_{j<=i} q_i.k_j G_ij d_j. A member starting in the chunk whose prefix ended before it
+    reads the prefix's final state (carried beside S0) the same way; the state after a token
+    e is c_e exp(h_e) S0 + sum_j G_ej k_j d_j, taken at the chunk's end and its prefix end."""
     f32 = jnp.float32
     q, k, v, g, beta = (x.astype(f32) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH,
                                                  beta_BxTxH))
@@ -112,45 +147,83 @@ def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
     seg = jnp.pad(segments_BxT, ((0, 0), (0, pad)), mode="edge")
     q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    hist = history(seg)
 
     def chunks(x):  # [B, N*C, H, ...] -> [B, H, N, C, ...]
         x = x.reshape(b, n, chunk, *x.shape[2:])
         return jnp.moveaxis(x, 3, 1) if x.ndim > 3 else x
     q, k, v = (chunks(x) for x in (q, k, v))
     g, beta = (jnp.moveaxis(x.reshape(b, n, chunk, h), 3, 1) for x in (g, beta))
-    seg_c = seg.reshape(b, n, chunk)
-    prev = jnp.concatenate([seg[:, :1], seg[:, chunk - 1:-1:chunk]], axis=1)  # [B, N]
-    carry = (seg_c == prev[:, :, None])[:, None]  # [B, 1, N, C]
-    tril = jnp.tril(jnp.ones((chunk, chunk), bool))
-    same = (seg_c[:, :, :, None] == seg_c[:, :, None, :]) & tril  # [B, N, C, C]
+    seg_c, start, member, prefix_end, prefix_id = (
+        hist[name].reshape(b, n, chunk) if name != "seg" else seg.reshape(b, n, chunk)
+        for name in ("seg", "start", "member", "prefix_end", "prefix_id"))
+    base = (jnp.arange(n, dtype=jnp.int32) * chunk)[None, :, None]  # chunk start
+    s_loc, e_loc = start - base, prefix_end - base  # [B, N, C]
+    prev = jnp.concatenate([seg[:, :1], seg[:, chunk - 1:-1:chunk]], axis=1)[:, :, None]
+    src_cur = (seg_c == prev) | (member & (prefix_id == prev))
+    src_pref = member & (s_loc >= 0) & (e_loc < -1) & ~src_cur  # prefix ended earlier
+    # a prefix's last token: where the prefix segment ends (the next token is another segment)
+    nxt = jnp.concatenate([seg[:, 1:], jnp.full((b, 1), -1, seg.dtype)], axis=1)
+    ends_prefix = (hist["is_prefix"] & (seg != nxt)).reshape(b, n, chunk)
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    vis = causal & ((seg_c[:, :, :, None] == seg_c[:, :, None, :]) | (
+        member[:, :, :, None] & (seg_c[:, :, None, :] == prefix_id[:, :, :, None])))
 
     cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
-    diff = jnp.where(same[:, None], cum[..., :, None] - cum[..., None, :], -jnp.inf)
+    cum0 = jnp.pad(cum, ((0, 0), (0, 0), (0, 0), (1, 0)))  # cum0[m]: the first m tokens' sum
+
+    def at(x, idx):  # x [B, H, N, C(+1)] at chunk-local indices idx [B, N, C]
+        return jnp.take_along_axis(x, jnp.broadcast_to(idx[:, None], (b, h, n, chunk)), axis=3)
+
+    h_seg = cum - at(cum0, jnp.maximum(s_loc, 0))  # from the segment's start in the chunk
+    joins = member & (s_loc >= 0) & (e_loc >= 0)  # starts here after its prefix, also here
+    hc = h_seg + jnp.where(joins[:, None], at(h_seg, jnp.maximum(e_loc, 0)), 0)
+    diff = jnp.where(vis[:, None], hc[..., :, None] - hc[..., None, :], -jnp.inf)
     gamma = jnp.exp(diff)  # G_ij [B, H, N, C, C]
-    decay_in = jnp.where(carry, jnp.exp(cum), 0)  # c_i exp(cum_i)
+    exp_hc = jnp.exp(jnp.where((src_cur | src_pref)[:, None], hc, -jnp.inf))
+    in_cur = exp_hc * src_cur[:, None]
+    in_pref = exp_hc * src_pref[:, None]
     kb = k * beta[..., None]
     lower = jnp.einsum("bhnik,bhnjk->bhnij", kb, k) * gamma * (1 - jnp.eye(chunk, dtype=f32))
     system = lower + jnp.eye(chunk, dtype=f32)
     solve = lambda rhs: jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
                                                         unit_diagonal=True)
     u = solve(v * beta[..., None])  # [B, H, N, C, V]
-    w = solve(kb * decay_in[..., None])  # [B, H, N, C, K]
+    w_cur, w_pref = solve(kb * in_cur[..., None]), solve(kb * in_pref[..., None])
     qk = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * gamma
-    q_in = q * decay_in[..., None]
-    last = same[:, :, -1]  # [B, N, C]: j shares the chunk's last token's segment
-    k_out = k * jnp.where(last[:, None], jnp.exp(cum[..., -1:] - cum), 0)[..., None]
-    decay_all = decay_in[..., -1]  # [B, H, N]
+    q_cur, q_pref = q * in_cur[..., None], q * in_pref[..., None]
+    # the state after the chunk's last token (L) and after its last prefix end (E, if any)
+    sel_end = jnp.zeros((b, n, chunk), bool).at[:, :, -1].set(True)
+    last_e = jnp.max(jnp.where(ends_prefix, jnp.arange(chunk), -1), axis=-1)  # [B, N]
+    sel_pref = jnp.arange(chunk)[None, None] == last_e[..., None]
+    has_pref = last_e >= 0
 
-    def step(s_BxHxKxV, xs):
-        u_i, w_i, qk_i, q_i, k_i, d_i = xs
-        d = u_i - jnp.einsum("bhck,bhkv->bhcv", w_i, s_BxHxKxV)
-        o = jnp.einsum("bhck,bhkv->bhcv", q_i, s_BxHxKxV) + jnp.einsum("bhij,bhjv->bhiv", qk_i, d)
-        s_new = s_BxHxKxV * d_i[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_i, d)
-        return s_new, o
+    def state_at(sel):  # (G row of the selected token, its c*exp(h) from S0 / S_pref)
+        row = jnp.sum(gamma * sel[:, None, :, :, None], axis=3)  # [B, H, N, C]
+        return (row, jnp.sum(in_cur * sel[:, None], -1), jnp.sum(in_pref * sel[:, None], -1))
+    end_row, end_cur, end_pref = state_at(sel_end)
+    pe_row, pe_cur, pe_pref = state_at(sel_pref)
+    k_end, k_pe = k * end_row[..., None], k * pe_row[..., None]
+
+    def step(carry, xs):
+        s_cur, s_pref = carry
+        u_i, wc, wp, qk_i, qc, qp, ke, ec, ep, kp, pc, pp, has = xs
+        d = u_i - jnp.einsum("bhck,bhkv->bhcv", wc, s_cur) - jnp.einsum(
+            "bhck,bhkv->bhcv", wp, s_pref)
+        o = (jnp.einsum("bhck,bhkv->bhcv", qc, s_cur) + jnp.einsum("bhck,bhkv->bhcv", qp, s_pref)
+             + jnp.einsum("bhij,bhjv->bhiv", qk_i, d))
+
+        def after(kk, c, p):
+            return (s_cur * c[..., None, None] + s_pref * p[..., None, None]
+                    + jnp.einsum("bhck,bhcv->bhkv", kk, d))
+        new_pref = jnp.where(has[:, None, None, None], after(kp, pc, pp), s_pref)
+        return (after(ke, ec, ep), new_pref), o
 
     s0 = jnp.zeros((b, h, dk, dv), f32) if state_BxHxKxV is None else state_BxHxKxV.astype(f32)
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, qk, q_in, k_out, decay_all))
-    s_final, o = jax.lax.scan(step, s0, xs)  # o [N, B, H, C, V]
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w_cur, w_pref, qk, q_cur, q_pref, k_end,
+                                               end_cur, end_pref, k_pe, pe_cur, pe_pref))
+    xs += (jnp.moveaxis(has_pref, 1, 0),)
+    (s_final, _), o = jax.lax.scan(step, (s0, jnp.zeros_like(s0)), xs)  # o [N, B, H, C, V]
     o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return jnp.moveaxis(o, 1, 2), s_final
 
@@ -168,20 +241,26 @@ def recurrent_step(q_BxHxK, k_BxHxK, v_BxHxV, g_BxH, beta_BxH, state_BxHxKxV):
 def recurrent_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
                                segments_BxT, state_BxHxKxV=None):
     """The token-by-token form of `chunk_gated_delta_rule` (same arguments but the chunk):
-    `recurrent_step` in a `lax.scan`, the state zeroed where the segment id changes."""
+    `recurrent_step` in a `lax.scan`; where the segment id changes the state restarts from
+    zero, or for a shared prefix's member from the state after the latest prefix token."""
     b, t, h, dk = k_BxTxHxK.shape
     s0 = (jnp.zeros((b, h, dk, v_BxTxHxV.shape[-1]), jnp.float32) if state_BxHxKxV is None
           else state_BxHxKxV.astype(jnp.float32))
     prev = jnp.concatenate([segments_BxT[:, :1], segments_BxT[:, :-1]], axis=1)
+    hist = history(segments_BxT)
     keep = (segments_BxT == prev).astype(jnp.float32)
+    from_pref = ((segments_BxT != prev) & hist["member"]).astype(jnp.float32)
 
-    def step(s, xs):
-        q, k, v, g, beta, keep_B = xs
-        return recurrent_step(q, k, v, g, beta, s * keep_B[:, None, None, None])[::-1]
+    def step(carry, xs):
+        s, s_pref = carry
+        q, k, v, g, beta, keep_B, pref_B, is_prefix = xs
+        s_in = s * keep_B[:, None, None, None] + s_pref * pref_B[:, None, None, None]
+        o, s_new = recurrent_step(q, k, v, g, beta, s_in)
+        return (s_new, jnp.where(is_prefix[:, None, None, None], s_new, s_pref)), o
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH,
-                                               beta_BxTxH, keep))
-    s, o = jax.lax.scan(step, s0, xs)
+                                               beta_BxTxH, keep, from_pref, hist["is_prefix"]))
+    (s, _), o = jax.lax.scan(step, (s0, jnp.zeros_like(s0)), xs)
     return jnp.moveaxis(o, 0, 1), s
 
 

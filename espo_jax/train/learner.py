@@ -74,10 +74,6 @@ class Learner:
         self.seq_len = rl_seq_len(config)
         # a prompt's responses behind one copy of it (packed rows only)
         self.share_prompts = bool(config.train.pack and config.train.get("share_prompts", False))
-        if self.share_prompts and model_config.linear_layers:  # e.g. a qwen3_next hf_path
-            raise ValueError("train.share_prompts=True with Gated DeltaNet (linear_attention) "
-                             "layers: each packed segment starts from a zero state and cannot "
-                             "continue a shared prompt copy; set train.share_prompts=False")
         self.n_data_shards = config.mesh.data * config.mesh.fsdp
         self.moe_shape = (
             (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None

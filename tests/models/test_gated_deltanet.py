@@ -33,6 +33,16 @@ def _inputs():
     return q, k, v, g, beta, jnp.asarray(seg), s0
 
 
+def _shared_prefix_segments():
+    """Row 0: group 1's prefix (5 tokens) and members of 4, 7, 1 tokens, then group 2's prefix
+    (3) and one member (6), then padding; row 1: a plain segment, then group 3 (prefix 8, members
+    of 9 and 2). Boundaries inside chunks and on their edges (chunk 8: index 16, 24)."""
+    s = 1 << 16
+    row0 = [s] * 5 + [s + 1] * 4 + [s + 2] * 7 + [s + 3] + [2 * s] * 3 + [2 * s + 1] * 6 + [0] * 3
+    row1 = [1] * 8 + [3 * s] * 8 + [3 * s + 1] * 9 + [3 * s + 2] * 2 + [0] * 2
+    return jnp.asarray([row0[:T], row1[:T]], jnp.int32)
+
+
 def _loss(fn, q, k, v, g, beta, seg, s0):
     o, s = fn(q, k, v, g, beta, seg, s0)
     w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32)).reshape(o.shape)
@@ -55,6 +65,25 @@ def test_chunked_equals_recurrent_values_and_gradients(chunk):
     for a, b in zip(g_c, g_r, strict=True):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_shared_prefix_members_continue_the_prefix_state(chunk):
+    """Members of a shared prefix's group start from the state after the prefix (not after the
+    member before them): chunked == recurrent, and a member's outputs equal those of its
+    prefix followed by that member alone."""
+    q, k, v, g, beta, _, s0 = _inputs()
+    seg = _shared_prefix_segments()
+    o_c, s_c = gd.chunk_gated_delta_rule(q, k, v, g, beta, seg, chunk, s0)
+    o_r, s_r = gd.recurrent_gated_delta_rule(q, k, v, g, beta, seg, s0)
+    np.testing.assert_allclose(o_c, o_r, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(s_c, s_r, atol=2e-6, rtol=0)
+    # member 2 of group 1 (row 0, tokens 9..15) alone after its prefix (tokens 0..4; the
+    # prefix opens the row, so it starts from the initial state)
+    take = np.r_[0:5, 9:16]
+    alone, _ = gd.recurrent_gated_delta_rule(*(x[:1, take] for x in (q, k, v, g, beta)),
+                                             jnp.ones((1, 12), jnp.int32), s0[:1])
+    np.testing.assert_allclose(o_c[0, 9:16], alone[0, 5:], atol=2e-6, rtol=0)
 
 
 def test_segment_boundaries_reset_the_state():
@@ -102,19 +131,33 @@ def _model():
     return config, init(jax.random.key(0))
 
 
-def test_packed_row_equals_sequences_alone():
-    """Row 0 packs three sequences (boundaries at 13 and 19: inside chunks of 8); rows 1-3 hold
-    each alone, right-padded (one batch, one compile)."""
+def test_packed_rows_equal_sequences_alone():
+    """Row 0 packs three sequences (boundaries at 13 and 19: inside chunks of 8), row 4 a shared
+    prefix of 7 tokens and two members of 8 and 10 (`layers.PREFIX_STRIDE` ids, positions
+    continuing the prefix's); rows 1-3 and 5-6 hold each sequence alone, right-padded (one
+    batch, one compile)."""
     config, params = _model()
     r = np.random.default_rng(2)
-    lens, width = (13, 6, 11), 32
+    width, stride = 32, 1 << 16
+    toks, seg, pos = (np.zeros((7, width), np.int32) for _ in range(3))
+    lens = (13, 6, 11)
     seqs = [r.integers(0, config.vocab_size, n) for n in lens]
-    toks, seg, pos = (np.zeros((4, width), np.int32) for _ in range(3))
     start = 0
     for i, (s, n) in enumerate(zip(seqs, lens, strict=True)):
         toks[0, start:start + n], seg[0, start:start + n] = s, i + 1
         pos[0, start:start + n] = np.arange(n)
         toks[i + 1, :n], seg[i + 1, :n], pos[i + 1, :n] = s, 1, np.arange(n)
+        start += n
+    prefix, members = r.integers(0, config.vocab_size, 7), [
+        r.integers(0, config.vocab_size, n) for n in (8, 10)]
+    toks[4, :7], seg[4, :7], pos[4, :7] = prefix, stride, np.arange(7)
+    start = 7
+    for m, s in enumerate(members):
+        n = len(s)
+        toks[4, start:start + n], seg[4, start:start + n] = s, stride + m + 1
+        pos[4, start:start + n] = 7 + np.arange(n)
+        toks[5 + m, :7 + n], seg[5 + m, :7 + n] = np.r_[prefix, s], 1
+        pos[5 + m, :7 + n] = np.arange(7 + n)
         start += n
     logits = jax.jit(functools.partial(models.forward, config))(
         params, toks, positions_BxT=pos, segment_ids_BxT=seg).logits
@@ -123,6 +166,9 @@ def test_packed_row_equals_sequences_alone():
         np.testing.assert_allclose(logits[0, start:start + n], logits[i + 1, :n], atol=5e-5,
                                    rtol=0)  # fp32 summation order (2e-5 seen)
         start += n
+    np.testing.assert_allclose(logits[4, :7], logits[5, :7], atol=5e-5, rtol=0)
+    np.testing.assert_allclose(logits[4, 7:15], logits[5, 7:15], atol=5e-5, rtol=0)
+    np.testing.assert_allclose(logits[4, 15:25], logits[6, 7:17], atol=5e-5, rtol=0)
 
 
 def test_cached_prefill_and_decode_equal_the_full_forward():
