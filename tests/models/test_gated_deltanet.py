@@ -49,9 +49,12 @@ def _loss(fn, q, k, v, g, beta, seg, s0):
     return jnp.sum(o * w) + jnp.sum(jnp.sin(s))
 
 
+@pytest.mark.parametrize("segments", ["plain", "shared_prefix"])
 @pytest.mark.parametrize("chunk", [1, 3, 8, 64])
-def test_chunked_equals_recurrent_values_and_gradients(chunk):
+def test_chunked_equals_recurrent_values_and_gradients(chunk, segments):
     args = _inputs()
+    if segments == "shared_prefix":
+        args = args[:5] + (_shared_prefix_segments(), args[6])
     chunked = functools.partial(gd.chunk_gated_delta_rule, chunk=chunk)
     chunked_fn = lambda q, k, v, g, b, s, s0: chunked(q, k, v, g, b, s, state_BxHxKxV=s0)
     o_c, s_c = jax.jit(chunked_fn)(*args)
