@@ -29,6 +29,9 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # every RNG of the run derives from this
     c.mode = "train"  # "train": learner (+ engine in the sync loop); "rollout": a worker
+    # The `:small` variants: a run that checks the stages work end to end, not a result (the
+    # main job says so at start; espo_jax/run_record.py)
+    c.plumbing_check = False
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "small"  # one of espo_jax.models.config.PRESETS
@@ -220,7 +223,9 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
 
 
 def apply_small(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The laptop-CPU variant every experiment has: tiny model, 2 RL steps, small batches."""
+    """The laptop-CPU variant every experiment has: tiny model, 2 RL steps, small batches (a
+    plumbing check: accuracy is not expected to move)."""
+    config.plumbing_check = True
     config.model.preset = "tiny"
     config.data.train_per_level = 16
     config.data.test_per_level = 8

@@ -20,6 +20,9 @@ from espo_jax.rollout import worker_flags  # --config, --workdir and the rollout
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes (hosts)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "resume WORKDIR with a config that differs from its "
+    "config.json in more than the run-length keys (espo_jax/run_record.py); the change is logged")
 
 
 def main(argv) -> int:
@@ -55,6 +58,16 @@ def main(argv) -> int:
         from espo_jax.rollout import worker
 
         return worker.main_from_config(config, workdir, **worker_flags.worker_args())
+    from espo_jax import run_record  # config.json: kept, compared on resume; a finished run
+
+    try:
+        done = run_record.start(config, workdir, sys.argv, _ALLOW_CONFIG_CHANGE.value)
+    except run_record.ConfigChangedError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if done:
+        print(run_record.finished_line(workdir, done))
+        return 0
     if config.train.loop == "async":
         from espo_jax.train import async_loop
 

@@ -112,9 +112,44 @@ def test_loads_and_validates(name):
     assert full.loss.name == name.split("_", 1)[1]
 
 
-def test_unknown_experiment_argument():
-    with pytest.raises(ValueError, match=r"unknown experiment argument 'tiny'; valid: \['small"):
-        load("arith_espo", "tiny")
+# Every file in experiments/ with a `get_config`, whatever the lists above say.
+CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
+                      if "def get_config(" in open(p).read())
+
+
+def test_every_experiment_is_in_the_list():
+    assert {os.path.basename(p)[:-3] for p in CONFIG_FILES} == set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_a_mistyped_argument_is_refused_naming_the_accepted_ones(path):
+    """`:smal` (for `:small`) is an error listing what the experiment accepts, not the full
+    experiment run instead."""
+    module = configs.import_file(path)
+    with pytest.raises(ValueError, match=r"unknown experiment argument 'smal'; valid: \[.*"
+                                         r"'small'.*\]"):
+        module.get_config("smal")
+    with pytest.raises(ValueError, match=r"unknown experiment argument 'stpes'"):
+        module.get_config("small,stpes=3")
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_the_small_variant_says_it_is_a_plumbing_check(name):
+    from espo_jax import run_record
+
+    small = load(name, "small")
+    assert small.plumbing_check and not load(name).plumbing_check
+    assert run_record.banner(load(name)) is None
+    text = run_record.banner(small)
+    model = (os.path.basename(small.model.hf_path) if name in PRETRAINED
+             else f"{FAMILY_PRESETS.get(name, 'tiny')}` (random weights)")
+    assert text.startswith(f"plumbing check (`:small`), model `{model}"), text
+    assert f"{small.train.steps} RL steps of {small.rollout.prompts_per_step} prompts x " \
+        f"{small.zve.n_samples} samples, {small.eval.num_prompts} held-out prompts" in text
+    assert "every stage runs end to end" in text and "accuracy is not expected to move" in text
+    # The tiny random models: accuracy 0 and every group zero-variance, said in advance.
+    assert ("zero-variance fraction 1 at every step are expected" in text) == (
+        name not in PRETRAINED)
 
 
 @pytest.mark.parametrize("name", sorted(set(REAL_SCALE) & set(EXPERIMENTS)))
@@ -250,3 +285,13 @@ def test_family_small_variant_in_the_worker_layout(name, tmp_path):
     for r in rl:  # routing recorded by the workers' engines, replayed by the learner
         assert r["moe/routing_flip_rate"] is not None and math.isfinite(r["train/loss"])
     assert os.listdir(os.path.join(workdir, "workers"))
+    # Started again, finished: it says so, as the single process does (tests/test_main.py),
+    # and neither evaluates nor starts workers; summary.json stays byte for byte.
+    before = open(os.path.join(workdir, "summary.json"), "rb").read()
+    again = subprocess.run([sys.executable, "-m", "espo_jax.main", "--config",
+                            f"experiments/{name}.py:small", "--config.train.loop=async",
+                            "--workdir", workdir], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.startswith(f"{workdir}: finished (2 RL steps done), nothing to run")
+    assert open(os.path.join(workdir, "summary.json"), "rb").read() == before
