@@ -5,6 +5,10 @@
 rollout worker process for the async layout: `--config.rollout.engine=jax` the JAX worker,
 `espo_jax.rollout.worker`; `vllm` the vLLM one, `espo_jax.rollout.vllm_cli`; both take the flags
 of `espo_jax.rollout.worker_flags`: `--worker_index`, `--num_workers`, ...).
+
+The learner records its start in WORKDIR/config.json; started again with another config it stops
+before any work unless `--allow_config_change`, and a finished run is not run again
+(`espo_jax.run_record`).
 """
 
 import logging

@@ -11,7 +11,9 @@ again, it
 
   - says it is finished and does nothing when summary.json shows its RL steps done (or its
     `train.max_tokens` spent): summary.json stays as it was, byte for byte;
-  - resumes when its config is the stored one, or differs only in `RUN_LENGTH_KEYS`;
+  - resumes when its config is the stored one, or differs only in the run-length keys
+    (`RUN_LENGTH_KEYS`: train.steps, train.max_tokens, eval.every, checkpoint.every,
+    checkpoint.keep), the change logged;
   - is refused before any work when any other key differs, naming each with its old and new
     value, unless the main job is given `--allow_config_change`; the change is then logged.
 
@@ -35,8 +37,8 @@ import ml_collections
 
 from espo_jax import console, distributed
 
-# How long a run goes and how often it reports or saves; what it learns at each step is the
-# same. `train.steps` also sets the length of the lr schedule (`optim.final_lr_frac` < 1 decays
+# How long a run goes and how often it evaluates or saves, not what a step does; but
+# `train.steps` also sets the length of the lr schedule (`optim.final_lr_frac` < 1 decays
 # over it): a resumed run with more steps goes on along the longer schedule from its step.
 RUN_LENGTH_KEYS = ("train.steps", "train.max_tokens", "eval.every", "checkpoint.every",
                    "checkpoint.keep")
