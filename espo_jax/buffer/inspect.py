@@ -215,7 +215,9 @@ def _consumed_lines(report: dict) -> list[str]:
     lines = [
         f"consumed: the learner read {c['groups']} groups in {span}{when} "
         f"({report['consumed_log']}); {_RETENTION}: "
-        + (f"{kept} of the {report['groups']} groups here are consumed" if kept else
+        + ("the log has no cursor, so which groups here are consumed is unknown"
+           if report["read_groups"] is None and report["shards"] else
+           f"{kept} of the {report['groups']} groups here are consumed" if kept else
            "none of the groups here is consumed" if report["shards"] else
            "no shard is left"),
         "staleness at consumption (the learner's policy version when it read a group minus "
@@ -223,8 +225,10 @@ def _consumed_lines(report: dict) -> list[str]:
         f"{_histogram(c['staleness'])}",
     ]
     if report["unread_groups"]:
-        lines.append(f"unread: {report['unread_groups']} groups, their age against policy "
-                     f"version {report['policy_version']}: {_histogram(report['unread_age'])}")
+        what = (f"unread: {report['unread_groups']} groups, their age" if report["read_groups"]
+                is not None else "age of the groups here (not the staleness at consumption)")
+        lines.append(f"{what} against policy version {report['policy_version']}: "
+                     f"{_histogram(report['unread_age'])}")
     return lines
 
 

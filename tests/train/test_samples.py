@@ -4,6 +4,7 @@ advantage and kept flag, in `samples.jsonl` and TensorBoard's text tab. The end-
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -107,3 +108,53 @@ def test_sample_log_writes_jsonl_and_a_tensorboard_text_table(tmp_path):
     off = SampleLog(str(tmp_path / "off"), _config(k=0), TOK, TOK.decode, logger)
     assert off.write(1, groups, batch) == []
     assert not (tmp_path / "off" / "samples.jsonl").exists()
+
+
+class _Sampler:
+    """A `rollout.sampler.Sampler` whose responses are the texts of `COMPLETIONS`."""
+
+    sampler_name, n_experts, last_stats = "scripted", None, {}
+
+    def generate_groups(self, requests, *, rng, admission="fifo", predictor=None, on_group=None):
+        from espo_jax.rollout.batching import Generation, GenerationGroup
+
+        out = []
+        for i, r in enumerate(requests):
+            gens = [Generation(tokens=np.array(TOK.encode(c), np.int32),
+                               logprobs=np.zeros(len(c), np.float32), routed_experts=None,
+                               finish_reason="stop") for c in COMPLETIONS]
+            group = GenerationGroup(i, r.prompt_id, np.asarray(r.tokens, np.int32), gens)
+            on_group(group)
+            out.append(group)
+        return out
+
+
+COMPLETIONS = ["3", "4", "raise", "sleep"]
+
+
+def _reward(text, answer):
+    if text == "raise":
+        raise RuntimeError("broken verifier")
+    if text == "sleep":
+        time.sleep(1.0)
+    return text == answer
+
+
+def test_a_timed_out_reward_call_is_labelled_timeout_through_the_record(tmp_path):
+    import jax
+
+    from espo_jax.buffer.records import decode, encode
+    from espo_jax.rewards.pool import RewardPool
+    from espo_jax.rollout.generate import generate_scored_groups
+
+    pool = RewardPool(_reward, num_workers=2, timeout_s=0.3, backend="thread",
+                      detokenize=TOK.decode)
+    try:
+        prompt = {"prompt_id": "p", "tokens": TOK.encode("1+2="), "answer": "3"}
+        [group] = generate_scored_groups(_Sampler(), pool, [(prompt, len(COMPLETIONS))],
+                                         rng=jax.random.key(0), policy_version=0,
+                                         n_experts=None, target_fn=lambda p: p["answer"])
+    finally:
+        pool.close()
+    back = decode(encode(group))  # what the learner reads from the buffer
+    assert outcome_labels(back) == ["correct", "wrong", "error", "timeout"]
