@@ -186,7 +186,7 @@ def test_flow_control_bounds_how_far_workers_run_ahead(tmp_path):
         assert all(r["prompt"] and r["outcome"] in ("correct", "wrong") for r in mine), mine
         assert all(isinstance(r["reward"], float) and r["advantage"] is not None for r in mine)
     # buffer inspect: staleness at consumption as consumed.jsonl gives it, within the bound.
-    at_read = collections.Counter((step - 1) - version for groups in consumed.values()
+    at_read = collections.Counter((step - 1) - version for step, groups in consumed.items()
                                   for _, _, version in groups)
     out = subprocess.run([sys.executable, "-m", "espo_jax.buffer", "inspect",
                           workdir / "buffer"], capture_output=True, text=True, timeout=120,
