@@ -56,6 +56,7 @@ _BOUNDS = (
     ("eval.every", 0, True, None),
     ("eval.num_prompts", 1, True, None),
     ("eval.pass_k", 0, True, None),
+    ("log.samples_per_step", 0, True, None),
     ("rollout.top_k", 0, True, None),
     ("rollout.top_p", 0.0, False, 1.0),
     ("rollout.reward_workers", 1, True, None),

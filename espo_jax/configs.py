@@ -201,6 +201,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.buffer = ml_collections.ConfigDict()
     c.buffer.dir = ""  # "" -> WORKDIR/buffer
     c.buffer.keep_consumed = False  # keep shards the learner has consumed
+
+    c.log = ml_collections.ConfigDict()
+    # Groups per RL step written as text to WORKDIR/samples.jsonl and TensorBoard (0: none).
+    c.log.samples_per_step = 2
     return c
 
 

@@ -173,6 +173,7 @@ def test_real_scale_shapes_and_shardings_on_paper(name):
 @pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - PRETRAINED))
 def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
     config = load(name, "small")
+    config.buffer.keep_consumed = name == "arith_espo"  # for `buffer inspect` (below)
     config_validation.validate(config, n_devices=jax.device_count())
     workdir = str(tmp_path_factory.mktemp(name))
     summary = loop.run_sync(config, workdir)
@@ -240,6 +241,73 @@ def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
         for path in written:
             with open(path, "rb") as f:
                 assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        _check_samples_and_buffer_inspect(config, workdir)
+
+
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _check_samples_and_buffer_inspect(config, workdir):
+    """After a 2-step run: samples.jsonl and TensorBoard's text tab hold the first
+    `log.samples_per_step` groups of each step as text with rewards, outcomes and advantages;
+    `buffer inspect` (shards kept: buffer.keep_consumed) reports what the learner consumed,
+    the staleness at consumption, and shows a group's text as samples.jsonl has it."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from espo_jax.buffer.text import OUTCOMES
+
+    k, n = config.log.samples_per_step, config.zve.n_samples
+    rows = _jsonl(os.path.join(workdir, "samples.jsonl"))
+    assert [(r["step"], r["group"], r["sample"]) for r in rows] == [
+        (step, g, j) for step in (1, 2) for g in range(k) for j in range(n)]
+    for r in rows:
+        assert r["outcome"] in OUTCOMES and isinstance(r["reward"], float), r
+        assert r["prompt"] and r["prompt_id"].endswith(r["prompt"]), r  # arith ids end so
+        assert len(r["completion"]) <= r["length"] <= config.rollout.max_new_tokens, r
+        assert (r["advantage"] is None) == (r["train_reward"] is None) == (not r["kept"]), r
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["step"], r["group"]), []).append(r)
+    for group in groups.values():  # group-relative advantages are centred in each group
+        if group[0]["kept"]:
+            assert abs(sum(r["advantage"] for r in group)) < 1e-4, group
+    events = event_accumulator.EventAccumulator(os.path.join(workdir, "tensorboard"),
+                                                size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("samples/rl")
+    assert [e.step for e in texts] == [1, 2]
+    for e, step in zip(texts, (1, 2), strict=True):
+        table = e.tensor_proto.string_val[0].decode()
+        assert len(table.splitlines()) == 2 + k * n
+        assert f"| 0 | {groups[(step, 0)][0]['prompt_id']} |" in table
+
+    # The single process reads each step's groups at the version that generated them.
+    consumed = _jsonl(os.path.join(workdir, "consumed.jsonl"))
+    assert [c["step"] for c in consumed] == [0, 1, 2]  # 0: the offline pass-rate pass
+    total = sum(len(c["groups"]) for c in consumed)
+    inspect = [sys.executable, "-m", "espo_jax.buffer", "inspect", os.path.join(workdir, "buffer")]
+    out = subprocess.run(inspect, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"consumed: the learner read {total} groups in RL steps 0..2" in out.stdout
+    assert f"--config.buffer.keep_consumed=True: {total} of the {total} groups here" in out.stdout
+    assert ("staleness at consumption (the learner's policy version when it read a group minus "
+            f"the version that generated it; train.max_staleness bounds it): 0: {total} groups"
+            ) in out.stdout
+    # Step 2's first group, the last step's groups being the buffer's last ones.
+    first = total - len(consumed[-1]["groups"])
+    out = subprocess.run([*inspect, f"--show_group={first}"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    sample = groups[(2, 0)]
+    assert f"prompt {sample[0]['prompt_id']!r}, policy version 1" in out.stdout
+    for r in sample:
+        reward = f"{r['reward']:.4g}"
+        assert (f"response {r['sample']}: {r['outcome']}, reward {reward}, {r['length']} tokens"
+                ) in out.stdout
+        assert r["completion"] in out.stdout
+    assert out.stdout.count(sample[0]["prompt"]) >= 1
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.evaluate import evaluate
 from espo_jax.train.learner import Learner
 from espo_jax.train.metrics import MetricLogger, rollout_metrics
+from espo_jax.train.samples import SampleLog
 from espo_jax.train.warmstart import warm_seq_len, warm_start
 from espo_jax.zve import ZVEPipeline, failed_reward_fraction, groups_and_rewards, require_scored
 
@@ -91,6 +92,7 @@ class Run:
         self.eval_engine = _engine(self.setup, "fp32")
         self.decode = tasks.decoder(config, self.setup.tokenizer)
         self.outcome = tasks.outcome_fn(self.setup.task)
+        self.samples = SampleLog(workdir, config, self.setup.tokenizer, self.decode, self.logger)
 
     # -- pieces -----------------------------------------------------------------------------
     def evaluate(self, params, prompts=None) -> dict:
@@ -243,6 +245,20 @@ class Run:
         self.logger.close()
         return summary
 
+    def log_consumed(self, step: int, groups, cursor: dict) -> None:
+        """One line of `WORKDIR/consumed.jsonl` per RL step (0: the offline pass before RL):
+        the learner's policy version when it read the step's groups (`step` - 1), the time,
+        the reader's cursor after them, and every group read (worker, prompt id, the policy
+        version that generated it). `python -m espo_jax.buffer inspect` reads it for the
+        staleness at consumption; a resumed learner logs the steps it redoes again."""
+        if distributed.is_primary():
+            line = {"step": step, "learner_version": max(step - 1, 0), "time": time.time(),
+                    "cursor": cursor, "groups": [
+                        [g.meta.get("worker", "?"), str(g.prompt_id), int(g.policy_version)]
+                        for g in groups]}
+            with open(os.path.join(self.workdir, "consumed.jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
+
     def record_step(self, meta: dict, step: int, zmetrics: dict, lmetrics: dict) -> None:
         """Adds one RL step's token and mismatch counts to the run totals in `meta`."""
         meta["rl_step"] = step
@@ -308,6 +324,7 @@ class SyncRun(Run):
             _, m = zve.offline_prune(rollout)
             meta["offline_tokens"] += int(m.get("zve/offline_tokens", 0))
             self.logger.write(0, m, phase="rl")
+            self.log_consumed(0, generated, reader.cursor)
         progress = console.Progress("RL", c.train.steps)
         while not self.finished(step, meta):
             t_step = time.time()
@@ -330,6 +347,8 @@ class SyncRun(Run):
             if c.eval.every and step % c.eval.every == 0 and not done:
                 metrics.update(self.evaluate(state.params))
             self.logger.write(step, metrics, phase="rl")
+            self.samples.write(step, generated, batch)
+            self.log_consumed(step, generated, reader.cursor)
             logging.info("RL step %d/%d: rollout acc %.3f, zv frac %.2f, %.1f s", step,
                          c.train.steps, metrics["rollout/accuracy"],
                          zmetrics.get("zve/zero_variance_frac_before", 0.0), metrics["time/step_s"],
