@@ -191,13 +191,19 @@ def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None
 
 def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
              check_paths: bool = True) -> None:
-    """Raises ValueError listing every problem, each naming its key and the allowed values.
+    """Raises ValueError listing every problem, each naming its key and the allowed values;
+    imports `config.imports` first (`espo_jax.config_imports`: losses registered there are valid).
     `check_paths=False` validates on paper (a cluster's config on a laptop): the paths it reads
     are not looked for, nor the optional packages they need (`espo_jax.extras`)."""
+    from espo_jax import config_imports
     from espo_jax.rl.loss_config import validate_loss_config
     from espo_jax.zve.config import validate_zve_config
 
     errors: list[str] = []
+    try:  # first: the modules may register losses the checks below accept
+        config_imports.import_modules(config)
+    except ValueError as e:
+        errors.append(str(e))
     _choice(errors, config, "mode", MODES)
     _choice(errors, config, "model.preset", PRESETS)
     _choice(errors, config, "model.dispatch", DISPATCHES)

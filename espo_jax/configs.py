@@ -53,6 +53,10 @@ def default_config() -> ml_collections.ConfigDict:
     # "math_jsonl", "reasoning_gym:NAME", "files", or "package.module:function" of your own.
     c.task = ""
     c.task_args = "{}"  # JSON object: keyword arguments of the task function
+    # Modules imported before the config is validated, by the main job and every rollout worker
+    # (espo_jax/config_imports.py): comma-separated names (sys.path, then the working directory,
+    # then experiments/) or .py paths, e.g. "my_loss" registering a loss (experiments/my_loss.py)
+    c.imports = ""
 
     c.data = ml_collections.ConfigDict()  # the built-in tasks
     c.data.name = "arith_chains"  # TFDS builder: "arith_chains" or "math_jsonl"
