@@ -153,7 +153,7 @@ def math_jsonl_task(config, workdir: str, tokenizer) -> Task:
     from espo_jax.data.math_jsonl import math_jsonl_config
 
     dcfg = math_jsonl_config(train=config.data.jsonl_train, test=config.data.jsonl_test)
-    kw = dict(config=dcfg, max_prompt_tokens=config.rollout.max_prompt_len)
+    kw = dict(config=dcfg, max_prompt_tokens=config.rollout.max_prompt_len or None)
     root = data_dir(config, workdir)
     return Task(reward=math_reward, train=prompts_lib.math_jsonl_source(root, "train", tokenizer,
                                                                         **kw),

@@ -24,7 +24,7 @@ from espo_jax.train import loop
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `*_common.py` files are recipes the experiments share (no `get_config` of their own); task
 # modules are what a config's `task` names (tests/test_tasks.py runs them).
-TASK_MODULES = {"my_task"}
+TASK_MODULES = {"my_task", "my_loss"}  # my_loss: what `--config.imports` names
 EXPERIMENTS = sorted(name for name in (os.path.basename(p)[:-3] for p in glob.glob(
     os.path.join(REPO, "experiments", "*.py"))) if not name.endswith("_common")
     and name not in TASK_MODULES)
