@@ -123,3 +123,14 @@ def test_speed_table_is_the_stored_peers_benchmark():
         assert cells[1] == ours and cells[2].endswith(peer) and cells[3] == ratio, rows[0]
     of_peak = train["jax_flops_per_s"] / bench["peak_matmul_flops"]
     assert f"{100 * of_peak:.0f}% of peak" in README
+
+
+def test_every_module_the_docs_name_exists():
+    """README.md and docs/*.md name modules by path; each one is in the repository."""
+    docs = [README] + [open(os.path.join(REPO, "docs", f)).read()
+                       for f in sorted(os.listdir(os.path.join(REPO, "docs")))]
+    path = r"\b(?:espo_jax|experiments|launch)/[\w/]+\.(?:py|sh)\b"
+    named = {p for d in docs for p in re.findall(path, d)}
+    assert len(named) > 20
+    missing = sorted(p for p in named if not os.path.exists(os.path.join(REPO, p)))
+    assert not missing, f"the docs name modules that do not exist: {missing}"
