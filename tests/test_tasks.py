@@ -299,3 +299,13 @@ def test_example_task_in_experiments_runs_as_written():
     assert task.reward(p, f"The answer is {p['answer']}.") is True
     assert task.reward(p, f"The answer is {int(p['answer']) + 1}.") is False
     assert task.reward(p, "no number") is False
+
+
+def test_reasoning_gym_reward_loads_its_scorer_in_warmup():
+    """The pool's workers call `warmup()` before work (imports outside the reward timeout);
+    PromptReward passes it on to the task reward."""
+    reward = tasks.ReasoningGymReward("basic_arithmetic")
+    assert "_score" not in vars(reward)
+    tasks.PromptReward(reward).warmup()
+    assert callable(vars(reward)["_score"])
+    tasks.PromptReward(tasks.arith_reward).warmup()  # a plain function has none: nothing to do
