@@ -63,6 +63,6 @@ if [[ ${#DRY[@]} -eq 0 ]] && command -v nvidia-smi >/dev/null; then
 fi
 step "espo_jax device check -> $JSON"
 BUDGET=${BUDGET_S:-$([[ ${#DRY[@]} -gt 0 ]] && echo 600 || echo 450)}
-timeout $((BUDGET + 60)) "$PYTHON" -m espo_jax.bench device_check "${DRY[@]}" \
+timeout $((BUDGET + 20)) "$PYTHON" -m espo_jax.bench device_check "${DRY[@]}" \
   --budget_s="$BUDGET" --out="$JSON"
 step "done: $JSON"

@@ -106,8 +106,8 @@ class Sizes:
 
 GPU = Sizes(matmul_n=8192, repeats=3, prompts=16, samples=8, prompt_len=64, new_tokens=256,
             slots=(64, 256), engine_new=128, mismatch_prompts=16, variants=4,
-            timeouts={"matmul": 45, "learner_qwen3_moe": 150, "learner_deepseek": 80,
-                      "engine": 100, "mismatch": 50, "pytest": 75}, budget_s=450)
+            timeouts={"matmul": 30, "learner_qwen3_moe": 140, "learner_deepseek": 70,
+                      "engine": 90, "mismatch": 40, "pytest": 80}, budget_s=450)
 DRY = Sizes(matmul_n=128, repeats=1, prompts=2, samples=2, prompt_len=8, new_tokens=8,
             slots=(4,), engine_new=8, mismatch_prompts=2, variants=2,
             timeouts={"matmul": 60, "learner_qwen3_moe": 150, "learner_deepseek": 120,
