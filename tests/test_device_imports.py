@@ -15,13 +15,12 @@ import textwrap
 
 import pytest
 
+from espo_jax.bench.device_check import NOT_IN_IMAGE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ("espo_jax.train.learner", "espo_jax.train.step", "espo_jax.rollout.engine",
         "espo_jax.rollout.mismatch", "espo_jax.buffer", "espo_jax.models", "espo_jax.mismatch")
 TF = ("tensorflow", "tensorflow_datasets", "clu", "tensorboard")
-# Packages of setup.py that the accelerator image has not and device_wheels.sh does not carry.
-NOT_ON_DEVICE = TF + ("math_verify", "reasoning_gym", "matplotlib", "hypothesis", "portpicker",
-                      "vllm", "gguf", "accelerate", "trl", "datasets")
 CHECK = CORE + ("espo_jax.bench.device_check", "espo_jax.bench.__main__", "espo_jax.configs",
                 "espo_jax.rl.loss_config", "espo_jax.sharding", "espo_jax.train.state")
 
@@ -56,7 +55,7 @@ def _probe(blocked, modules):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("blocked, modules", [(TF, CORE), (NOT_ON_DEVICE, CHECK)],
+@pytest.mark.parametrize("blocked, modules", [(TF, CORE), (NOT_IN_IMAGE, CHECK)],
                          ids=["core-without-tensorflow", "device-check-on-a-bare-image"])
 def test_imports_without(blocked, modules):
     out = _probe(list(blocked), list(modules))

@@ -51,6 +51,11 @@ import time
 import traceback
 from typing import Any
 
+# setup.py's packages (and the optional paths') that a bare JAX image lacks and
+# launch/device_wheels.sh does not carry: nothing the check runs may import them.
+NOT_IN_IMAGE = ("tensorflow", "tensorflow_datasets", "clu", "tensorboard", "math_verify",
+                "reasoning_gym", "matplotlib", "hypothesis", "portpicker", "vllm", "gguf",
+                "accelerate", "trl", "datasets")
 SUPPORTED_JAX = ((0, 10), (0, 12))  # [lowest, first unsupported) (major, minor)
 # Nominal dense bf16 FLOP/s and HBM bytes/s by the name in the device kind (H200 first: its
 # kind names no H100).

@@ -13,6 +13,16 @@ from espo_jax.bench import device_check
 from espo_jax.models import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SITECUSTOMIZE = """
+import importlib.abc, sys
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(name + ": not in the accelerator image")
+
+sys.meta_path.insert(0, Refuse())
+"""
 
 
 @pytest.mark.parametrize("version, ok", [("0.10.2", True), ("0.11.0", True), ("0.11.3", True),
@@ -44,7 +54,13 @@ def test_train_flops_per_token_by_hand():
 @pytest.mark.slow
 def test_dry_run_every_section(tmp_path):
     out = tmp_path / "device_check.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, DEVICE_SITE=str(tmp_path / "site"))
+    # Every process of the check refuses what the accelerator image lacks (a sitecustomize
+    # first on the path; pytest's own hypothesis plugin is loaded here, not there).
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(SITECUSTOMIZE.format(
+        blocked=[m for m in device_check.NOT_IN_IMAGE if m != "hypothesis"]))
+    env = dict(os.environ, PYTHONPATH=f"{block}:{ROOT}", DEVICE_SITE=str(tmp_path / "site"))
     env.pop("XLA_FLAGS", None)  # one CPU device, as on the accelerator (not conftest's eight)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     proc = subprocess.run([os.path.join(ROOT, "launch", "device_check.sh"), "--dry_run",
