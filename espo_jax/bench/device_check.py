@@ -71,7 +71,10 @@ PYTEST_DRY = ("tests/models/test_attention_impl.py::test_attention_impl_is_valid
 
 
 def jax_version_error(version: str) -> str | None:
-    """Why this JAX version is not supported (None: it is)."""
+    """Why this JAX version is not supported (None: it is). 0.11.0's breaking changes (jnp.empty
+    uninitialised, jax.core and jax.interpreters.pxla names removed, jax.cloud_tpu_init gone,
+    jax.checkpoint_policies a module, Python 3.11 dropped; jax.lax.top_k gained `is_stable`,
+    default True as before) touch no API espo_jax calls: the same code runs on 0.10.2 and 0.11."""
     try:
         major_minor = tuple(int(x) for x in version.split(".")[:2])
     except ValueError:
