@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-NAMES = "model, buffer, engine, zve, attention, peers, packing, profile"
+NAMES = "model, buffer, engine, zve, attention, peers, packing, profile, device_check"
 
 
 @pytest.mark.parametrize("args, message", [
