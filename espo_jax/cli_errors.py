@@ -18,6 +18,12 @@ from collections.abc import Sequence
 from absl import flags
 
 _TRACEBACK = "Traceback (most recent call last):"
+
+
+class CommandLineError(ValueError):
+    """What the command line asks for cannot be done, found once its flags parsed (a
+    checkpoint of another model than the command's): an entry point prints it with `fail`."""
+
 _HINT = "(--verbosity=1 shows the traceback, --helpshort the flags)"
 
 

@@ -144,7 +144,11 @@ class Progress:
 
 
 def summary_table(summary: Mapping) -> str:
-    """The run's summary.json figures as a short two-column table."""
+    """The run's summary.json figures as a short two-column table (no-signal tokens:
+    `espo_jax.zve.accounting`, which also reads a summary written under former names)."""
+    from espo_jax.zve import accounting
+
+    summary = accounting.current_names(summary)
     rows = [("held-out accuracy", f"{summary['warmstart_accuracy']:.3f} -> "
                                   f"{summary['final_accuracy']:.3f}"),
             *([("test accuracy (end)", f"{summary['test_accuracy']:.3f}")]
@@ -154,7 +158,10 @@ def summary_table(summary: Mapping) -> str:
             ("wall time", f"{summary['wall_seconds']:.0f} s (RL {summary['rl_seconds']:.0f} s, "
                           f"warm start {summary.get('warmstart_seconds', 0.0):.0f} s)"),
             ("generated tokens", f"{summary['generated_tokens']:,}"),
-            ("wasted token fraction", f"{summary['wasted_token_fraction']:.3f}"),
+            *([("no-signal token frac", f"{summary['no_signal_token_frac']:.3f}")]
+              if "no_signal_token_frac" in summary else []),
+            ("no-signal token frac with offline",
+             f"{summary['no_signal_token_frac_with_offline']:.3f}"),
             ("mean |log-prob mismatch|", f"{summary['mean_abs_logp_mismatch']:.2e}"),
             ("skipped updates", str(summary.get("skipped_updates", 0)))]
     width = max(len(k) for k, _ in rows)
