@@ -132,6 +132,13 @@ def test_default_console_is_short_and_the_log_file_keeps_everything(tmp_path):
     assert f"GLIBC_TUNABLES={tunables} (espo_jax.host_memory)" in log
     summary = json.loads((workdir / "summary.json").read_text())
     assert "test accuracy (end)" in text
+    # One name per figure (espo_jax.zve.accounting), as in summary.json.
+    rows = dict(m.groups() for m in map(re.compile(r"  (\S.*?)  +(\S+)$").fullmatch, console)
+                if m)
+    assert rows["no-signal token frac"] == f"{summary['no_signal_token_frac']:.3f}"
+    assert rows["no-signal token frac with offline"] == (
+        f"{summary['no_signal_token_frac_with_offline']:.3f}")
+    assert "wasted" not in text and "wasted_token_fraction" not in summary
     assert summary["test_accuracy"] == summary["test"]["eval/accuracy"]
     evals = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if "test/accuracy" in r] == [3]
