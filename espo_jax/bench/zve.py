@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import tempfile
 import time
@@ -239,7 +240,10 @@ def bench_config(quick: bool, prompts: int | None, init_from: str | None
     if init_from:
         root = os.path.abspath(init_from)
         ckpt = os.path.join(root, "checkpoints")
-        c.checkpoint.init_from = ckpt if os.path.isdir(ckpt) else root
+        from espo_jax.train.checkpoint import checkpoint_steps
+
+        # A WORKDIR's RL checkpoints, else what `resolve_init_from` finds (its warm start).
+        c.checkpoint.init_from = ckpt if checkpoint_steps(ckpt) else root
         if os.path.isdir(os.path.join(root, "data")):
             c.data.data_dir = os.path.join(root, "data")  # already prepared there
     return c
@@ -261,10 +265,13 @@ def check_init_from(quick: bool, config: ml_collections.ConfigDict, given: str) 
     from espo_jax.cli_errors import CommandLineError
     from espo_jax.train import checkpoint
 
+    logging.disable(logging.INFO)  # its "starting from" line: the run logs it when it starts
     try:
         directory = checkpoint.resolve_init_from(config.checkpoint.init_from)
     except ValueError as e:
         raise CommandLineError(f"--init_from {given}: {e}") from e
+    finally:
+        logging.disable(logging.NOTSET)
     step = checkpoint.checkpoint_steps(directory)[-1]
     where = os.path.join(directory, str(step))
     try:

@@ -222,47 +222,74 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
     assert dataclasses.replace(fresh, wall_s=0.0) == dataclasses.replace(s, wall_s=0.0)
 
 
-def test_quick_mode_refuses_a_checkpoint_of_the_full_model_naming_both(tmp_path):
-    """`bench zve --quick --init_from RUN` with RUN a run of experiments/arith_espo.py (the
-    `small` model): one message naming both models, before anything runs (--verbosity=1: the
-    traceback); the full mode refuses the quick mode's `tiny` checkpoint the same way."""
+def _save_policy(directory, config, step):
+    """A random policy of `config`'s model saved as a train state at `step` under `directory`."""
     import functools
-    import subprocess
-    import sys
 
-    from espo_jax import cli_errors, run_setup
+    from espo_jax import run_setup
     from espo_jax.train import state as state_lib
     from espo_jax.train.checkpoint import Checkpointer
 
-    run = tmp_path / "run"
-    full = bench.bench_config(False, None, None)
-    params = jax.jit(functools.partial(init_params, run_setup.model_architecture(full)))(
+    params = jax.jit(functools.partial(init_params, run_setup.model_architecture(config)))(
         jax.random.key(0))
-    ckpt = Checkpointer(str(run / "warmstart"), async_save=False)
-    ckpt.save(0, state_lib.create_train_state(
-        params, state_lib.make_optimizer(full.optim, total_steps=10), jax.random.key(1)), {})
+    ckpt = Checkpointer(str(directory), async_save=False)
+    ckpt.save(step, state_lib.create_train_state(
+        params, state_lib.make_optimizer(config.optim, total_steps=10), jax.random.key(1)), {})
     ckpt.close()
-    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "zve", "--quick",
-                           f"--init_from={run}"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.splitlines()[-2] == (
+
+
+def _bench_zve(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "espo_jax.bench", "zve", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_quick_mode_refuses_a_checkpoint_of_the_full_model_naming_both(tmp_path):
+    """`bench zve --quick --init_from RUN` with RUN a run of experiments/arith_espo.py (the
+    `small` model): one message naming both models, before anything runs; the full mode
+    refuses the quick mode's `tiny` checkpoint the same way."""
+    from espo_jax import cli_errors
+
+    full, quick = bench.bench_config(False, None, None), bench.bench_config(True, None, None)
+    assert (full.model.preset, quick.model.preset) == ("small", "tiny")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # a warm-start-only run: RL saved nothing
+    _save_policy(run / "warmstart", full, 0)
+    proc = _bench_zve("--quick", f"--init_from={run}")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[0] == (
         f"error: --init_from {run}: {run}/warmstart/0 is a checkpoint of the `small` model "
         "(experiments/arith_espo.py, the one `bench zve` uses), but `bench zve --quick` uses the "
         "`tiny` model (experiments/arith_espo.py:small); leave out --quick, or give the WORKDIR "
         "of a run of experiments/arith_espo.py:small")
-    assert full.model.preset == "small"
-    quick = bench.bench_config(True, None, None)
-    assert quick.model.preset == "tiny"
     # The quick model's checkpoint, given to the full mode.
     tiny_run = tmp_path / "tiny_run"
-    params = jax.jit(functools.partial(init_params, run_setup.model_architecture(quick)))(
-        jax.random.key(0))
-    ckpt = Checkpointer(str(tiny_run / "checkpoints"), async_save=False)
-    ckpt.save(3, state_lib.create_train_state(
-        params, state_lib.make_optimizer(quick.optim, total_steps=10), jax.random.key(1)), {})
-    ckpt.close()
+    _save_policy(tiny_run / "checkpoints", quick, 3)
     with pytest.raises(cli_errors.CommandLineError,
                        match=r"checkpoints/3 is a checkpoint of the `tiny` model .* but `bench "
                              r"zve` uses the `small` model .*; add --quick"):
         bench.check_init_from(False, bench.bench_config(False, None, str(tiny_run)),
                               str(tiny_run))
+
+
+@pytest.mark.slow
+def test_a_budget_too_small_for_the_offline_pass_is_said_end_to_end(tmp_path):
+    """`bench zve --quick --init_from RUN --budget 200` (RUN: the quick model's checkpoint):
+    the run completes, and the configurations that ran no step (stage 0's pass spent the
+    budget) are named in a warning after the table and in the figures."""
+    import json
+
+    _save_policy(tmp_path / "run" / "checkpoints", bench.bench_config(True, None, None), 3)
+    out = tmp_path / "zve.json"
+    proc = _bench_zve("--quick", f"--init_from={tmp_path / 'run'}", "--budget=200",
+                      f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    idle = [k for k, c in figures["configurations"].items() if c["steps"] == 0]
+    assert idle and "plain GRPO" not in idle  # plain GRPO has no offline pass: it steps
+    warning = figures["warning"]
+    assert warning in proc.stdout.splitlines()
+    assert warning.startswith(f"warning: --budget 200 tokens is too small to compare the stages: "
+                              f"{len(idle)} of 8 configurations ran no RL step ({', '.join(idle)})")
