@@ -47,13 +47,17 @@ def main(argv) -> int:
         jax.config.update("jax_compilation_cache_dir",
                           os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from espo_jax import config_validation, distributed
+    from espo_jax import cli_errors, config_validation, distributed
 
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    config_validation.validate(config, n_devices=jax.device_count())
-    if jax.process_count() > 1 and (config.mode, config.train.loop) != ("train", "async"):
-        raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
-                         "train.loop=async runs multi-host (rollout workers are single processes)")
+    try:
+        config_validation.validate(config, n_devices=jax.device_count())
+        if jax.process_count() > 1 and (config.mode, config.train.loop) != ("train", "async"):
+            raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
+                             "train.loop=async runs multi-host (rollout workers are single "
+                             "processes)")
+    except ValueError as e:  # one message, no traceback (espo_jax.cli_errors)
+        return cli_errors.fail(e, flags.FLAGS.verbosity)
     logging.getLogger().setLevel(logging.INFO)
     log_path = console.log_to_file(workdir)
     logging.info("GLIBC_TUNABLES=%s (espo_jax.host_memory)", os.environ.get("GLIBC_TUNABLES", ""),
@@ -90,4 +94,6 @@ if __name__ == "__main__":
 
     host_memory.reexec_with_huge_pages()  # glibc's huge pages for XLA's buffers (a restart)
     flags.adopt_module_key_flags(worker_flags)  # --help lists them
-    sys.exit(app.run(main))
+    from espo_jax import cli_errors
+
+    sys.exit(app.run(main, flags_parser=cli_errors.parse_flags))

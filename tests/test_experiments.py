@@ -41,7 +41,8 @@ LAYOUT = {"arith_espo_async": {"train.loop", "rollout.reward_workers"}}
 # subprocess runs it in tests/models/test_smollm2.py, not this one).
 PRETRAINED = {"smollm2_chain_sum"}
 SUMMARY_KEYS = ("warmstart_accuracy", "final_accuracy", "steps", "wall_seconds",
-                "generated_tokens", "wasted_token_fraction", "mean_abs_logp_mismatch",
+                "generated_tokens", "no_signal_token_frac", "no_signal_token_frac_with_offline",
+                "mean_abs_logp_mismatch",
                 "warmstart_steps", "warmstart_seconds", "rl_seconds")
 
 
@@ -199,14 +200,17 @@ def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
     n_eval = config.eval.num_prompts
     for acc in (on_disk["warmstart_accuracy"], on_disk["final_accuracy"]):
         assert abs(acc * n_eval - round(acc * n_eval)) < 1e-6, (acc, n_eval)
-    # Token accounting: the offline pass-rate pass (stage 0, no gradient: wasted) plus each
+    # Token accounting: the offline pass-rate pass (stage 0, no gradient: no signal) plus each
     # step's rollouts; a step samples at least prompts_per_step x n_samples responses of at
     # most max_new_tokens tokens, and trains on what it did not drop.
     rl = [r for r in records if r["phase"] == "rl" and "train/loss" in r]
     offline = sum(r.get("zve/offline_tokens", 0.0) for r in records if r["phase"] == "rl")
     assert on_disk["generated_tokens"] == offline + sum(r["zve/tokens_generated"] for r in rl)
-    wasted = offline + sum(r["zve/wasted_tokens"] for r in rl)
-    assert on_disk["wasted_token_fraction"] == pytest.approx(wasted / on_disk["generated_tokens"])
+    no_signal = sum(r["zve/no_signal_tokens"] for r in rl)
+    assert on_disk["no_signal_token_frac_with_offline"] == pytest.approx(
+        (offline + no_signal) / on_disk["generated_tokens"])
+    assert on_disk["no_signal_token_frac"] == pytest.approx(
+        no_signal / (on_disk["generated_tokens"] - offline))
     per_step = config.rollout.prompts_per_step * config.zve.n_samples
     for r in rl:
         n, tokens = r["zve/rollouts_generated"], r["zve/tokens_generated"]

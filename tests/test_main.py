@@ -4,6 +4,7 @@ written; its command line (the rollout workers' flags, absl's usage errors) and
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,10 +25,38 @@ def test_main_rejects_bad_value_before_compiling(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "config.train.replay='bogus' is not one of ('r3', 'r2', 'off')" in out
+    assert proc.returncode == 1
+    # One message, no traceback (espo_jax.cli_errors).
+    assert ("error: invalid config: config.train.replay='bogus' is not one of "
+            "('r3', 'r2', 'off')") in out.splitlines()
+    assert "Traceback" not in out and len(out.splitlines()) == 2, out
     assert "Compiling" not in out and "Finished tracing" not in out
     assert not workdir.exists()  # nothing prepared or written: no data, no checkpoints
+
+
+def test_command_line_errors_are_one_message_and_verbosity_1_keeps_the_traceback(tmp_path):
+    """A field the config lacks, a value of the wrong type, a config file that is not there:
+    each one line naming the flag; `--verbosity=1` raises with the traceback instead."""
+    work = str(tmp_path / "run")
+    for args, said in [
+            (["--config.train.step=3"], "error: --config.train.step: the config has no field "
+                                        "'step' Did you mean \"steps\" instead of \"step\"?"),
+            (["--config.train.steps=abc"], "error: flag --config.train.steps=abc: invalid "
+                                           "literal for int() with base 10: 'abc'")]:
+        proc = _main("--workdir", work, *args, timeout=120)
+        assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+        assert proc.stderr.splitlines()[0] == said and "Traceback" not in proc.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "espo_jax.main", "--config", "experiments/nosuch.py",
+         "--workdir", work], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.splitlines()[0] == (
+        "error: [Errno 2] No such file or directory: 'experiments/nosuch.py'")
+    for args in (["--config.train.step=3", "--verbosity=1"],
+                 ["--config.train.replay=bogus", "-v", "1"]):
+        loud = _main("--workdir", work, *args, timeout=120)
+        assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def _main(*args, timeout=300):
@@ -93,11 +122,18 @@ def test_default_console_is_short_and_the_log_file_keeps_everything(finished_run
     assert len(console) < 40, "\n".join(console)
     text = "\n".join(console)
     assert "checkpoint_manager.py" not in text and "Unable to initialize backend" not in text
+    # Nothing from TFDS (its "Downloading and preparing dataset Unknown size" banner, a
+    # dataset_info.json warning) and no absl-prefixed lines ("I1205 14:57:13.33 ... loop.py:152]").
+    assert "Downloading" not in text and "dataset_info.json" not in text, text
+    assert not [line for line in console if re.match(r"[IWEF]\d{4} \d\d:\d\d", line)], text
+    assert any(re.fullmatch(r"held-out accuracy before RL: \d\.\d{3} on 8 validation prompts",
+                            line) for line in console), text
     assert "RL         [########################] 3/3" in text  # the RL bar's last line
     assert "held-out accuracy" in text and "summary.json" in text
     log = (workdir / "log.txt").read_text()
     assert "checkpoint_manager.py" in log and "RL step 3/3" in log
     assert "on 8 validation prompts" in log and "test accuracy after 3 RL steps" in log
+    assert "(generated locally, nothing downloaded)" in log
     # The job restarted itself under glibc's huge pages where this machine takes them.
     wanted = host_memory.huge_pages_env(os.environ, host_memory.thp_mode(),
                                         host_memory.glibc_version())
@@ -106,6 +142,13 @@ def test_default_console_is_short_and_the_log_file_keeps_everything(finished_run
     assert f"GLIBC_TUNABLES={tunables} (espo_jax.host_memory)" in log
     summary = json.loads((workdir / "summary.json").read_text())
     assert "test accuracy (end)" in text
+    # One name per figure (espo_jax.zve.accounting), as in summary.json.
+    rows = dict(m.groups() for m in map(re.compile(r"  (\S.*?)  +(\S+)$").fullmatch, console)
+                if m)
+    assert rows["no-signal token frac"] == f"{summary['no_signal_token_frac']:.3f}"
+    assert rows["no-signal token frac with offline"] == (
+        f"{summary['no_signal_token_frac_with_offline']:.3f}")
+    assert "wasted" not in text and "wasted_token_fraction" not in summary
     assert summary["test_accuracy"] == summary["test"]["eval/accuracy"]
     evals = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if "test/accuracy" in r] == [3]

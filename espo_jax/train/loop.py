@@ -34,7 +34,13 @@ from espo_jax.train.learner import Learner
 from espo_jax.train.metrics import MetricLogger, rollout_metrics
 from espo_jax.train.samples import SampleLog
 from espo_jax.train.warmstart import warm_seq_len, warm_start
-from espo_jax.zve import ZVEPipeline, failed_reward_fraction, groups_and_rewards, require_scored
+from espo_jax.zve import (
+    ZVEPipeline,
+    accounting,
+    failed_reward_fraction,
+    groups_and_rewards,
+    require_scored,
+)
 
 
 def _engine(setup, precision: str) -> Engine:
@@ -127,11 +133,12 @@ class Run:
         for ckpt in (self.ckpt, warm):
             if ckpt.latest_step() is not None:
                 state, meta = ckpt.restore(state)
+                meta = accounting.current_names(meta)  # a checkpoint of older code
                 logging.info("resuming from %s at RL step %d", ckpt.directory, meta["rl_step"])
                 warm.close()
                 self.t_rl = time.time()
                 return state, meta
-        meta = {"rl_step": 0, "generated_tokens": 0, "wasted_tokens": 0, "offline_tokens": 0,
+        meta = {"rl_step": 0, "generated_tokens": 0, "no_signal_tokens": 0, "offline_tokens": 0,
                 "mismatch_sum": 0.0, "mismatch_n": 0, "cursor": None, "zve": None,
                 "predictor": None, "warmstart": {}}
         if c.checkpoint.init_from:  # WORKDIR has none: start_point resolved init_from
@@ -227,10 +234,10 @@ class Run:
             # From the policy being ready to the end (offline pass, RL steps, evaluations) in
             # this process: a resumed run counts only its own part.
             "rl_seconds": time.time() - self.t_rl,
-            "generated_tokens": generated,
-            # Offline pass-rate samples (stage 0) carry no gradient: they count as wasted.
-            "wasted_token_fraction": (meta["wasted_tokens"] + meta["offline_tokens"])
-            / max(generated, 1),
+            "generated_tokens": generated,  # the offline pass's included
+            # no_signal_token_frac and ..._with_offline: espo_jax.zve.accounting.
+            **accounting.run_fractions(meta["generated_tokens"], meta["no_signal_tokens"],
+                                       meta["offline_tokens"]),
             "mean_abs_logp_mismatch": meta["mismatch_sum"] / max(meta["mismatch_n"], 1),
             "skipped_updates": int(jax.device_get(state.skipped)),
             "warmstart": meta["warmstart"],
@@ -263,7 +270,7 @@ class Run:
         """Adds one RL step's token and mismatch counts to the run totals in `meta`."""
         meta["rl_step"] = step
         meta["generated_tokens"] += int(zmetrics.get("zve/tokens_generated", 0))
-        meta["wasted_tokens"] += int(zmetrics.get("zve/wasted_tokens", 0))
+        meta["no_signal_tokens"] += int(zmetrics.get("zve/no_signal_tokens", 0))
         meta["mismatch_sum"] += lmetrics.get("mismatch/logp_abs_mean", 0.0)
         meta["mismatch_n"] += 1
 
