@@ -56,6 +56,7 @@ _BOUNDS = (
     ("eval.every", 0, True, None),
     ("eval.num_prompts", 1, True, None),
     ("eval.pass_k", 0, True, None),
+    ("log.samples_per_step", 0, True, None),
     ("rollout.top_k", 0, True, None),
     ("rollout.top_p", 0.0, False, 1.0),
     ("rollout.reward_workers", 1, True, None),
@@ -68,7 +69,7 @@ _BOUNDS = (
     ("zve.zvp.alpha", 0.0, True, None),
     ("seed", 0, True, None),
     ("advantage.overlong_buffer", 0, True, None),
-    ("rollout.max_prompt_len", 1, True, None),
+    ("rollout.max_prompt_len", 0, True, None),  # 0: the task's longest prompt
     ("data.rl_prompts", 0, True, None),  # 0: every training prompt
     ("data.train_per_level", 1, True, None),
     ("data.test_per_level", 1, True, None),
@@ -162,11 +163,13 @@ def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None
     import re
 
     spec = config.task
+    known = True  # a task whose task_args can be checked without importing the user's code
     if spec.startswith("reasoning_gym:"):
         from reasoning_gym.factory import DATASETS
 
         name = spec.partition(":")[2]
-        if name not in DATASETS:
+        known = name in DATASETS
+        if not known:
             errors.append(f"config.task={spec!r}: reasoning-gym has no dataset {name!r} (e.g. "
                           f"{', '.join(sorted(DATASETS)[:6])}, ...)")
     elif spec not in ("", "arith_chains", "math_jsonl", "files") and not re.fullmatch(
@@ -187,17 +190,30 @@ def _validate_task(errors: list[str], config: ml_collections.ConfigDict) -> None
     elif spec == "files" and not {"train", "test"} <= set(args):
         errors.append("config.task='files' needs config.task_args with 'train' and 'test' "
                       f"paths, got {config.task_args!r}")
+    elif known and (spec == "files" or spec.startswith("reasoning_gym:")):
+        from espo_jax.task_loading import check_builtin_task_args
+
+        try:
+            check_builtin_task_args(config)
+        except ValueError as e:
+            errors.append(str(e))
 
 
 def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
              check_paths: bool = True) -> None:
-    """Raises ValueError listing every problem, each naming its key and the allowed values.
+    """Raises ValueError listing every problem, each naming its key and the allowed values;
+    imports `config.imports` first (`espo_jax.config_imports`: losses registered there are valid).
     `check_paths=False` validates on paper (a cluster's config on a laptop): the paths it reads
     are not looked for, nor the optional packages they need (`espo_jax.extras`)."""
+    from espo_jax import config_imports
     from espo_jax.rl.loss_config import validate_loss_config
     from espo_jax.zve.config import validate_zve_config
 
     errors: list[str] = []
+    try:  # first: the modules may register losses the checks below accept
+        config_imports.import_modules(config)
+    except ValueError as e:
+        errors.append(str(e))
     _choice(errors, config, "mode", MODES)
     _choice(errors, config, "model.preset", PRESETS)
     _choice(errors, config, "model.dispatch", DISPATCHES)

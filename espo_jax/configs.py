@@ -29,6 +29,9 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # every RNG of the run derives from this
     c.mode = "train"  # "train": learner (+ engine in the sync loop); "rollout": a worker
+    # The `:small` variants: a run that checks the stages work end to end, not a result (the
+    # main job says so at start; espo_jax/run_record.py)
+    c.plumbing_check = False
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "small"  # one of espo_jax.models.config.PRESETS
@@ -53,6 +56,10 @@ def default_config() -> ml_collections.ConfigDict:
     # "math_jsonl", "reasoning_gym:NAME", "files", or "package.module:function" of your own.
     c.task = ""
     c.task_args = "{}"  # JSON object: keyword arguments of the task function
+    # Modules imported before the config is validated, by the main job and every rollout worker
+    # (espo_jax/config_imports.py): comma-separated names (sys.path, then the working directory,
+    # then experiments/) or .py paths, e.g. "my_loss" registering a loss (experiments/my_loss.py)
+    c.imports = ""
 
     c.data = ml_collections.ConfigDict()  # the built-in tasks
     c.data.name = "arith_chains"  # TFDS builder: "arith_chains" or "math_jsonl"
@@ -86,7 +93,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.rollout.prompts_per_step = 16  # N prompts per rollout batch
     c.rollout.max_inflight_batches = 1  # async: a worker waits while max_staleness + this - 1
     # of its batches are unread (1: it samples batch n+1 while the learner trains on batch n)
-    c.rollout.max_prompt_len = 32  # tokens; longer prompts are rejected
+    # Prompt tokens (bos and chat template included); a task with a longer prompt is refused.
+    # 0: the task's longest prompt, rounded up to a multiple of 4 (espo_jax/task_prompts.py).
+    c.rollout.max_prompt_len = 0
     c.rollout.max_new_tokens = 48  # response budget; longer samples are cut (no eos)
     c.rollout.temperature = 1.0  # sampling temperature (1: the policy's own distribution)
     c.rollout.top_p = 1.0  # nucleus mass kept (1: no truncation: samples follow the policy)
@@ -198,6 +207,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.buffer = ml_collections.ConfigDict()
     c.buffer.dir = ""  # "" -> WORKDIR/buffer
     c.buffer.keep_consumed = False  # keep shards the learner has consumed
+
+    c.log = ml_collections.ConfigDict()
+    # Groups per RL step written as text to WORKDIR/samples.jsonl and TensorBoard (0: none).
+    c.log.samples_per_step = 2
     return c
 
 
@@ -220,7 +233,9 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
 
 
 def apply_small(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The laptop-CPU variant every experiment has: tiny model, 2 RL steps, small batches."""
+    """The laptop-CPU variant every experiment has: tiny model, 2 RL steps, small batches (a
+    plumbing check: accuracy is not expected to move)."""
+    config.plumbing_check = True
     config.model.preset = "tiny"
     config.data.train_per_level = 16
     config.data.test_per_level = 8

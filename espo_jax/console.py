@@ -1,10 +1,11 @@
 """The main job's console: progress bars and results on the terminal, everything in a log file.
 
-At the default verbosity the console shows espo_jax's own messages, warnings and errors from
-anything, one progress bar per phase (warm start, RL) with its live metrics, and the summary
-table at the end; INFO records of the libraries (orbax checkpointing internals, TFDS, JAX
-backend probing) and espo_jax's per-step lines go only to `WORKDIR/log.txt`, which keeps every
-record. `--verbosity=1` (absl's flag) puts everything on the console again.
+At the default verbosity the console shows espo_jax's own messages (bare text, no absl
+prefix), warnings and errors from anything, one progress bar per phase (warm start, RL) with its
+live metrics, and the summary table at the end; INFO records of the libraries (orbax
+checkpointing internals, TFDS, JAX backend probing) and espo_jax's per-step lines go only to
+`WORKDIR/log.txt`, which keeps every record. `--verbosity=1` (absl's flag) puts everything on
+the console again.
 
     logging.info("RL step %d ...", step, extra=console.FILE_ONLY)   # log file only
 """
@@ -38,6 +39,20 @@ class _ConsoleFilter(logging.Filter):
         return record.pathname.startswith(_PACKAGE_DIR)
 
 
+class _ConsoleFormatter(logging.Formatter):
+    """INFO records (espo_jax's own messages) as their bare text between the progress bars;
+    warnings and errors keep absl's prefix (level, time, file:line) that says where from."""
+
+    def __init__(self, absl_formatter: logging.Formatter):
+        super().__init__()
+        self.absl = absl_formatter
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno >= logging.WARNING:
+            return self.absl.format(record)
+        return record.getMessage()
+
+
 _QUIET = [False]
 
 
@@ -49,8 +64,10 @@ def quiet(verbosity: int = 0) -> None:
     for f in [f for f in console.filters if isinstance(f, _ConsoleFilter)]:
         console.removeFilter(f)
     _QUIET[0] = verbosity < 1
+    console.setFormatter(absl_logging.PythonFormatter())
     if verbosity < 1:
         console.addFilter(_ConsoleFilter())
+        console.setFormatter(_ConsoleFormatter(absl_logging.PythonFormatter()))
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # TF only writes event files here
 
 
@@ -127,7 +144,11 @@ class Progress:
 
 
 def summary_table(summary: Mapping) -> str:
-    """The run's summary.json figures as a short two-column table."""
+    """The run's summary.json figures as a short two-column table (no-signal tokens:
+    `espo_jax.zve.accounting`, which also reads a summary written under former names)."""
+    from espo_jax.zve import accounting
+
+    summary = accounting.current_names(summary)
     rows = [("held-out accuracy", f"{summary['warmstart_accuracy']:.3f} -> "
                                   f"{summary['final_accuracy']:.3f}"),
             *([("test accuracy (end)", f"{summary['test_accuracy']:.3f}")]
@@ -137,7 +158,10 @@ def summary_table(summary: Mapping) -> str:
             ("wall time", f"{summary['wall_seconds']:.0f} s (RL {summary['rl_seconds']:.0f} s, "
                           f"warm start {summary.get('warmstart_seconds', 0.0):.0f} s)"),
             ("generated tokens", f"{summary['generated_tokens']:,}"),
-            ("wasted token fraction", f"{summary['wasted_token_fraction']:.3f}"),
+            *([("no-signal token frac", f"{summary['no_signal_token_frac']:.3f}")]
+              if "no_signal_token_frac" in summary else []),
+            ("no-signal token frac with offline",
+             f"{summary['no_signal_token_frac_with_offline']:.3f}"),
             ("mean |log-prob mismatch|", f"{summary['mean_abs_logp_mismatch']:.2e}"),
             ("skipped updates", str(summary.get("skipped_updates", 0)))]
     width = max(len(k) for k, _ in rows)

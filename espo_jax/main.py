@@ -5,6 +5,10 @@
 rollout worker process for the async layout: `--config.rollout.engine=jax` the JAX worker,
 `espo_jax.rollout.worker`; `vllm` the vLLM one, `espo_jax.rollout.vllm_cli`; both take the flags
 of `espo_jax.rollout.worker_flags`: `--worker_index`, `--num_workers`, ...).
+
+The learner records its start in WORKDIR/config.json; started again with another config it stops
+before any work unless `--allow_config_change`, and a finished run is not run again
+(`espo_jax.run_record`).
 """
 
 import logging
@@ -20,6 +24,9 @@ from espo_jax.rollout import worker_flags  # --config, --workdir and the rollout
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "JAX processes (hosts)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "resume WORKDIR with a config that differs from its "
+    "config.json in more than the run-length keys (espo_jax/run_record.py); the change is logged")
 
 
 def main(argv) -> int:
@@ -40,13 +47,17 @@ def main(argv) -> int:
         jax.config.update("jax_compilation_cache_dir",
                           os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from espo_jax import config_validation, distributed
+    from espo_jax import cli_errors, config_validation, distributed
 
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    config_validation.validate(config, n_devices=jax.device_count())
-    if jax.process_count() > 1 and (config.mode, config.train.loop) != ("train", "async"):
-        raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
-                         "train.loop=async runs multi-host (rollout workers are single processes)")
+    try:
+        config_validation.validate(config, n_devices=jax.device_count())
+        if jax.process_count() > 1 and (config.mode, config.train.loop) != ("train", "async"):
+            raise ValueError(f"{jax.process_count()} JAX processes: only the learner of "
+                             "train.loop=async runs multi-host (rollout workers are single "
+                             "processes)")
+    except ValueError as e:  # one message, no traceback (espo_jax.cli_errors)
+        return cli_errors.fail(e, flags.FLAGS.verbosity)
     logging.getLogger().setLevel(logging.INFO)
     log_path = console.log_to_file(workdir)
     logging.info("GLIBC_TUNABLES=%s (espo_jax.host_memory)", os.environ.get("GLIBC_TUNABLES", ""),
@@ -55,6 +66,16 @@ def main(argv) -> int:
         from espo_jax.rollout import worker
 
         return worker.main_from_config(config, workdir, **worker_flags.worker_args())
+    from espo_jax import run_record  # config.json: kept, compared on resume; a finished run
+
+    try:
+        done = run_record.start(config, workdir, sys.argv, _ALLOW_CONFIG_CHANGE.value)
+    except run_record.ConfigChangedError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if done:
+        print(run_record.finished_line(workdir, done))
+        return 0
     if config.train.loop == "async":
         from espo_jax.train import async_loop
 
@@ -73,4 +94,6 @@ if __name__ == "__main__":
 
     host_memory.reexec_with_huge_pages()  # glibc's huge pages for XLA's buffers (a restart)
     flags.adopt_module_key_flags(worker_flags)  # --help lists them
-    sys.exit(app.run(main))
+    from espo_jax import cli_errors
+
+    sys.exit(app.run(main, flags_parser=cli_errors.parse_flags))

@@ -19,6 +19,8 @@ import sys
 
 from absl import app, flags
 
+from espo_jax.zve import accounting
+
 # Topic -> metric names; a name ending in "*" matches every metric with that prefix.
 TOPICS = {
     "accuracy": ("eval/accuracy", "eval/pass_at_k", "rollout/accuracy"),
@@ -28,7 +30,7 @@ TOPICS = {
         "zve/zero_variance_frac_before",
         "zve/zero_variance_frac_after_tiebreak",
         "zve/zero_variance_frac_after_filter",
-        "zve/wasted_token_frac",
+        "zve/no_signal_token_frac",
     ),
     "mismatch": ("mismatch/logp_abs_mean", "mismatch/kl_k3", "moe/routing_flip_rate"),
     "entropy": ("entropy/mean",),
@@ -53,7 +55,8 @@ def read_records(path: str) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                # Metrics of older runs under their current names (espo_jax.zve.accounting).
+                records.append(accounting.current_names(json.loads(line)))
             except json.JSONDecodeError:
                 print(f"{path}:{n}: skipping a malformed line {line[:60]!r}", file=sys.stderr)
     return records

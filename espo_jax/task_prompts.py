@@ -25,7 +25,7 @@ class TokenizedPrompts(Sequence):
     `tokens` (the built-in TFDS sources) pass through."""
 
     def __init__(self, prompts: Sequence[Mapping], tokenizer, *, split: str, task: str,
-                 max_prompt_tokens: int):
+                 max_prompt_tokens: int | None = None):
         self._prompts, self._tokenizer = prompts, tokenizer
         self._split, self._task, self._max = split, task, max_prompt_tokens
 
@@ -51,7 +51,7 @@ class TokenizedPrompts(Sequence):
         else:
             raise TypeError(f"task {self._task!r}: prompt {out['prompt_id']!r} is a "
                             f"{type(prompt).__name__}; give text or chat messages")
-        if len(tokens) > self._max:
+        if self._max is not None and len(tokens) > self._max:
             raise ValueError(f"task {self._task!r}: prompt {out['prompt_id']!r} has "
                              f"{len(tokens)} tokens > rollout.max_prompt_len={self._max}")
         out.update(prompt=prompt, tokens=tokens, level=int(out["level"]),
@@ -62,23 +62,65 @@ class TokenizedPrompts(Sequence):
 def prompt_sources(config, workdir: str, tokenizer) -> tuple[Task, dict[str, Sequence[dict]]]:
     """(task, {"train", "warm", "validation", "test": tokenised prompts}); a split the task
     lacks is empty. The reward is tried on the first train and held-out (`eval.split`) prompt
-    before the rest are tokenised (`check_reward`); every prompt's length is checked here for
-    tasks given as lists."""
+    before the rest are tokenised (`check_reward`); then every prompt is measured and
+    `rollout.max_prompt_len` sized or checked (`size_prompt_len`)."""
     task = load_task(config, workdir, tokenizer)
-    limit = config.rollout.max_prompt_len
-    splits = {split: TokenizedPrompts(prompts, tokenizer, split=split, task=task.name,
-                                      max_prompt_tokens=limit)
+    splits = {split: TokenizedPrompts(prompts, tokenizer, split=split, task=task.name)
               for split, prompts in (("train", task.train), ("warm", task.warm or task.train),
                                      ("validation", task.validation), ("test", task.test))}
     check_reward(task, [(split, splits[split][0]) for split in ("train", config.eval.split)
                         if len(splits[split])], config.rollout.reward_backend)
     out = {}
     for split, tokenized in splits.items():
-        if isinstance(tokenized.prompts, list):  # a task's own list: tokenise (and check) now
+        if isinstance(tokenized.prompts, list):  # a task's own list: tokenise now
             tokenized = [tokenized[i] for i in range(len(tokenized))]
         out[split] = tokenized
     _check_ids(task, out)
+    measured = ("train", "warm", "validation", "test") if task.warm else (
+        "train", "validation", "test")  # warm is train's prompts when the task has no warm set
+    limit = size_prompt_len(config, task.name, {split: out[split] for split in measured})
+    for tokenized in splits.values():  # prompts tokenised later (on access) are checked then
+        tokenized._max = limit
     return task, out
+
+
+PROMPT_LEN_MULTIPLE = 4  # a derived rollout.max_prompt_len is rounded up to a multiple of this
+
+
+def size_prompt_len(config, task_name: str, splits: Mapping[str, Sequence[dict]]) -> int:
+    """Sizes `config.rollout.max_prompt_len` from the task's longest prompt (in tokens, after
+    the chat template) when it is 0, rounded up to a multiple of `PROMPT_LEN_MULTIPLE` (a
+    prompt a few tokens longer does not change the compiled shapes), and logs it once; an
+    explicit limit that a prompt exceeds is an error naming the longest prompt, its id and the
+    key to set. Either way every prompt of every split is measured, and a packed row
+    (`train.pack_len` > 0) must hold a whole RL row. Returns the limit."""
+    import logging
+
+    longest, where, lengths = 0, "", []
+    for split, prompts in splits.items():
+        for i in range(len(prompts)):
+            p = prompts[i]
+            lengths.append(len(p["tokens"]))
+            if lengths[-1] > longest:
+                longest, where = lengths[-1], f"{split} prompt {str(p['prompt_id'])!r}"
+    r = config.rollout
+    if r.max_prompt_len == 0:
+        r.max_prompt_len = -(-max(longest, 1) // PROMPT_LEN_MULTIPLE) * PROMPT_LEN_MULTIPLE
+        logging.info("rollout.max_prompt_len=%d: task %r's longest prompt, %s, has %d tokens "
+                     "(rounded up to a multiple of %d)", r.max_prompt_len, task_name, where,
+                     longest, PROMPT_LEN_MULTIPLE)
+    elif longest > r.max_prompt_len:
+        over = sum(n > r.max_prompt_len for n in lengths)
+        raise ValueError(
+            f"task {task_name!r}: its longest prompt, {where}, has {longest} tokens > "
+            f"rollout.max_prompt_len={r.max_prompt_len} ({over} of {len(lengths)} prompts are "
+            f"longer); set --config.rollout.max_prompt_len={longest} (or more), or 0 to size it "
+            "from the task's prompts")
+    row = r.max_prompt_len + r.max_new_tokens - 1
+    if config.train.pack and 0 < config.train.pack_len < row:
+        raise ValueError(f"train.pack_len = {config.train.pack_len} is shorter than an RL row "
+                         f"(rollout.max_prompt_len + max_new_tokens - 1 = {row}); 0 = {2 * row}")
+    return r.max_prompt_len
 
 
 def _check_ids(task: Task, splits: dict[str, Sequence[dict]]) -> None:

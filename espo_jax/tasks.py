@@ -100,6 +100,11 @@ class PromptReward:
     def __call__(self, text: str, prompt: Mapping) -> Any:
         return self.fn(prompt, text)
 
+    def warmup(self) -> None:
+        """The task reward's own `warmup()`, if it has one (see `rewards.pool`)."""
+        if callable(getattr(self.fn, "warmup", None)):
+            self.fn.warmup()
+
 
 def reward_target(prompt: Mapping) -> dict:
     """What a prompt's reward sees in the pool: the prompt dict without its token ids."""
@@ -153,7 +158,7 @@ def math_jsonl_task(config, workdir: str, tokenizer) -> Task:
     from espo_jax.data.math_jsonl import math_jsonl_config
 
     dcfg = math_jsonl_config(train=config.data.jsonl_train, test=config.data.jsonl_test)
-    kw = dict(config=dcfg, max_prompt_tokens=config.rollout.max_prompt_len)
+    kw = dict(config=dcfg, max_prompt_tokens=config.rollout.max_prompt_len or None)
     root = data_dir(config, workdir)
     return Task(reward=math_reward, train=prompts_lib.math_jsonl_source(root, "train", tokenizer,
                                                                         **kw),
@@ -185,6 +190,13 @@ class ReasoningGymReward:
 
     def __getstate__(self):
         return {"name": self.name, "answer_format": self.answer_format}
+
+    def warmup(self) -> None:
+        """Imports reasoning-gym and builds the scorer (~1 s on a quiet 2-core CPU, several
+        under load): done once per reward worker, not inside the first response's timeout."""
+        from reasoning_gym.utils import extract_answer  # noqa: F401
+
+        self._score  # noqa: B018
 
     def extract(self, text: str) -> str | None:
         from reasoning_gym.utils import extract_answer

@@ -44,7 +44,9 @@ def arith_config(arg: str | None, loss_name: str) -> ml_collections.ConfigDict:
     # RL prompt pool: large enough that what stage 0 keeps is seldom revisited (RL memorises
     # prompts it sees again and again instead of learning the rule).
     c.data.rl_prompts = 2400
-    c.rollout.max_prompt_len = 20  # `a1b+7c+9d-5e-9f-2=` + bos
+    # 0: sized from the task's prompts: `a1b+7c+9d-5e-9f-2=` + bos, 19 tokens, rounded up to 20
+    # (a task named with --config.task gets its own)
+    c.rollout.max_prompt_len = 0
     c.rollout.max_new_tokens = 52  # `a9=9,b+9=18,..,f+9=54#54` + eos (<= 50 with signs)
     # 32 prompts x 8 samples per step, one update of <= 256 rows: a less noisy gradient than
     # 16 prompts at the same lr.

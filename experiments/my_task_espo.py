@@ -24,6 +24,7 @@ from espo_jax import configs
 
 
 def get_config(arg: str | None = None):
+    arg = configs.parse_arg(arg, small=False)
     c = configs.default_config()
     c.task = os.path.join(os.path.dirname(os.path.abspath(__file__)), "my_task.py") + ":task"
     c.loss.name = "espo"
@@ -42,6 +43,6 @@ def get_config(arg: str | None = None):
     c.eval.every = 20
     c.eval.pass_k = 0
     c.checkpoint.every = 20
-    if arg == "small":
+    if arg.small:
         configs.apply_small(c)
     return c

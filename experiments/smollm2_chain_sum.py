@@ -21,6 +21,7 @@ from espo_jax.models import gguf
 
 
 def get_config(arg: str | None = None):
+    arg = configs.parse_arg(arg, small=False, gpu=False)
     c = configs.default_config()
     c.model.hf_path = gguf.packaged_smollm2()
     c.tokenizer = "model"
@@ -51,7 +52,7 @@ def get_config(arg: str | None = None):
     c.eval.every = 0
     c.eval.pass_k = 0
     c.checkpoint.every = 5
-    if arg == "gpu":
+    if arg.gpu:
         c.rollout.precision = "bf16"
         c.rollout.prompts_per_step = 64
         c.rollout.num_slots = 512
@@ -59,7 +60,8 @@ def get_config(arg: str | None = None):
         c.train.micro_batches = 1
         c.eval.num_prompts = 200
         c.eval.every = 25
-    elif arg == "small":
+    elif arg.small:  # a plumbing check with the real model
+        c.plumbing_check = True
         c.rollout.prompts_per_step = 2
         c.zve.n_samples = c.zve.adaptive.min_samples = c.zve.adaptive.max_samples = 4
         c.rollout.max_new_tokens = 16

@@ -29,6 +29,8 @@ import sys
 
 from absl import app, flags
 
+from espo_jax.zve import accounting
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import main_jobs  # noqa: E402  (launch/main_jobs.py, beside this script)
 
@@ -71,7 +73,7 @@ def table(summaries: dict[str, dict]) -> str:
     """Markdown: one row per run, held-out accuracy overall and per level, costs."""
     level_ids = sorted(levels(summaries["espo"], "final"))
     head = (["run", "final acc", "vs warm start"] + [f"L{lv}" for lv in level_ids]
-            + ["wasted tokens", "mean abs dlogp", "RL s", "warm-start s"])
+            + ["no-signal token frac with offline", "mean abs dlogp", "RL s", "warm-start s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     warm = summaries["espo"]["warmstart_accuracy"]
     start = levels(summaries["espo"], "warmstart")
@@ -84,7 +86,8 @@ def table(summaries: dict[str, dict]) -> str:
         lines.append(f"| {name} | " + " | ".join(
             [f"{s['final_accuracy']:.3f}", f"{100 * (s['final_accuracy'] - warm):+.1f} pts"]
             + [f"{per[lv]:.2f}" for lv in level_ids]
-            + [f"{s['wasted_token_fraction']:.3f}" if rl else "-",
+            + [f"{accounting.current_names(s)['no_signal_token_frac_with_offline']:.3f}"
+               if rl else "-",
                f"{s['mean_abs_logp_mismatch']:.4f}" if rl else "-",
                f"{s['rl_seconds']:.0f}" if rl else "-",
                f"{s['warmstart_seconds']:.0f}" if name in ("espo", "sft_only") else "shared"])

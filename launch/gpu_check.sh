@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# For your own GPU machine, with network: it installs the `vllm` extra (pip) and runs the
+# learner side on the CPU. A lent machine without network, with only a bare JAX image, runs
+# launch/device_check.sh instead (the learner, the JAX engine and the tests on the GPU).
+#
 # GPU check of the vLLM rollout path, in under 10 minutes on one GPU:
 #   - installs the `vllm` extra (skipped when vllm already imports),
 #   - exports the tiny MoE as published policies v1 and v2 (HF safetensors),

@@ -288,8 +288,8 @@ def plot(curves: dict, path: str) -> None:
 
 
 TRIM = ("warmstart_accuracy", "final_accuracy", "test_accuracy", "steps", "generated_tokens",
-        "wasted_token_fraction", "mean_abs_logp_mismatch", "rl_seconds", "skipped_updates",
-        "test", "final")
+        "no_signal_token_frac", "no_signal_token_frac_with_offline", "mean_abs_logp_mismatch",
+        "rl_seconds", "skipped_updates", "test", "final")
 WARM_TRIM = ("test_accuracy", "final_accuracy", "warmstart_seconds", "test")
 
 

@@ -15,8 +15,9 @@ _spec.loader.exec_module(compare)
 
 
 def _summary(final, per_level, warm=0.5, **kw):
-    s = {"warmstart_accuracy": warm, "final_accuracy": final, "wasted_token_fraction": 0.1,
-         "mean_abs_logp_mismatch": 0.005, "rl_seconds": 450.0, "warmstart_seconds": 300.0,
+    s = {"warmstart_accuracy": warm, "final_accuracy": final,
+         "no_signal_token_frac_with_offline": 0.1, "mean_abs_logp_mismatch": 0.005,
+         "rl_seconds": 450.0, "warmstart_seconds": 300.0,
          "warmstart_steps": 600,
          "warmstart": {"eval/accuracy": warm, "eval/accuracy_level1": 0.9,
                        "eval/accuracy_level2": 0.1},

@@ -33,7 +33,10 @@ def test_default_and_small_configs_validate():
         ("advantage.name", "ppo",
          "config.advantage.name='ppo' is not one of ('grpo', 'dr_grpo', 'rloo')"),
         ("model.preset", "huge", "config.model.preset='huge' is not one of ('tiny', 'small'"),
-        ("loss.name", "ppo_kl", "name='ppo_kl' is not one of ['grpo', 'dapo', 'gspo'"),
+        ("loss.name", "ppo_kl", "config.loss: loss 'ppo_kl' is not registered; registered: "
+         "['dapo', 'espo', 'grpo', 'gspo', 'gspo_token']. Register your own with the decorator "
+         "`@espo_jax.rl.losses.register(NAME, aggregation=...)` in a module of your own, and "
+         "import that module with --config.imports=MODULE"),
         ("train.steps", -1, "config.train.steps must be >= 0 (0: warm start only), got -1"),
         ("train.micro_batches", 0, "config.train.micro_batches must be >= 1, got 0"),
         ("warmstart.max_seconds", -5.0, "config.warmstart.max_seconds must be >= 0"),

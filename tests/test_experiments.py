@@ -24,7 +24,7 @@ from espo_jax.train import loop
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `*_common.py` files are recipes the experiments share (no `get_config` of their own); task
 # modules are what a config's `task` names (tests/test_tasks.py runs them).
-TASK_MODULES = {"my_task"}
+TASK_MODULES = {"my_task", "my_loss"}  # my_loss: what `--config.imports` names
 EXPERIMENTS = sorted(name for name in (os.path.basename(p)[:-3] for p in glob.glob(
     os.path.join(REPO, "experiments", "*.py"))) if not name.endswith("_common")
     and name not in TASK_MODULES)
@@ -42,7 +42,8 @@ LAYOUT = {"arith_espo_async": {"train.loop", "rollout.reward_workers"}}
 # subprocess runs it in tests/models/test_smollm2.py, not this one).
 PRETRAINED = {"smollm2_chain_sum"}
 SUMMARY_KEYS = ("warmstart_accuracy", "final_accuracy", "steps", "wall_seconds",
-                "generated_tokens", "wasted_token_fraction", "mean_abs_logp_mismatch",
+                "generated_tokens", "no_signal_token_frac", "no_signal_token_frac_with_offline",
+                "mean_abs_logp_mismatch",
                 "warmstart_steps", "warmstart_seconds", "rl_seconds")
 
 
@@ -113,9 +114,44 @@ def test_loads_and_validates(name):
     assert full.loss.name == name.split("_", 1)[1]
 
 
-def test_unknown_experiment_argument():
-    with pytest.raises(ValueError, match=r"unknown experiment argument 'tiny'; valid: \['small"):
-        load("arith_espo", "tiny")
+# Every file in experiments/ with a `get_config`, whatever the lists above say.
+CONFIG_FILES = sorted(p for p in glob.glob(os.path.join(REPO, "experiments", "*.py"))
+                      if "def get_config(" in open(p).read())
+
+
+def test_every_experiment_is_in_the_list():
+    assert {os.path.basename(p)[:-3] for p in CONFIG_FILES} == set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_a_mistyped_argument_is_refused_naming_the_accepted_ones(path):
+    """`:smal` (for `:small`) is an error listing what the experiment accepts, not the full
+    experiment run instead."""
+    module = configs.import_file(path)
+    with pytest.raises(ValueError, match=r"unknown experiment argument 'smal'; valid: \[.*"
+                                         r"'small'.*\]"):
+        module.get_config("smal")
+    with pytest.raises(ValueError, match=r"unknown experiment argument 'stpes'"):
+        module.get_config("small,stpes=3")
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_the_small_variant_says_it_is_a_plumbing_check(name):
+    from espo_jax import run_record
+
+    small = load(name, "small")
+    assert small.plumbing_check and not load(name).plumbing_check
+    assert run_record.banner(load(name)) is None
+    text = run_record.banner(small)
+    model = (os.path.basename(small.model.hf_path) if name in PRETRAINED
+             else f"{FAMILY_PRESETS.get(name, 'tiny')}` (random weights)")
+    assert text.startswith(f"plumbing check (`:small`), model `{model}"), text
+    assert f"{small.train.steps} RL steps of {small.rollout.prompts_per_step} prompts x " \
+        f"{small.zve.n_samples} samples, {small.eval.num_prompts} held-out prompts" in text
+    assert "every stage runs end to end" in text and "accuracy is not expected to move" in text
+    # The tiny random models: accuracy 0 and every group zero-variance, said in advance.
+    assert ("zero-variance fraction 1 at every step are expected" in text) == (
+        name not in PRETRAINED)
 
 
 @pytest.mark.parametrize("name", sorted(set(REAL_SCALE) & set(EXPERIMENTS)))
@@ -139,6 +175,7 @@ def test_real_scale_shapes_and_shardings_on_paper(name):
 @pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - PRETRAINED))
 def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
     config = load(name, "small")
+    config.buffer.keep_consumed = name == "arith_espo"  # for `buffer inspect` (below)
     config_validation.validate(config, n_devices=jax.device_count())
     workdir = str(tmp_path_factory.mktemp(name))
     summary = loop.run_sync(config, workdir)
@@ -164,14 +201,17 @@ def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
     n_eval = config.eval.num_prompts
     for acc in (on_disk["warmstart_accuracy"], on_disk["final_accuracy"]):
         assert abs(acc * n_eval - round(acc * n_eval)) < 1e-6, (acc, n_eval)
-    # Token accounting: the offline pass-rate pass (stage 0, no gradient: wasted) plus each
+    # Token accounting: the offline pass-rate pass (stage 0, no gradient: no signal) plus each
     # step's rollouts; a step samples at least prompts_per_step x n_samples responses of at
     # most max_new_tokens tokens, and trains on what it did not drop.
     rl = [r for r in records if r["phase"] == "rl" and "train/loss" in r]
     offline = sum(r.get("zve/offline_tokens", 0.0) for r in records if r["phase"] == "rl")
     assert on_disk["generated_tokens"] == offline + sum(r["zve/tokens_generated"] for r in rl)
-    wasted = offline + sum(r["zve/wasted_tokens"] for r in rl)
-    assert on_disk["wasted_token_fraction"] == pytest.approx(wasted / on_disk["generated_tokens"])
+    no_signal = sum(r["zve/no_signal_tokens"] for r in rl)
+    assert on_disk["no_signal_token_frac_with_offline"] == pytest.approx(
+        (offline + no_signal) / on_disk["generated_tokens"])
+    assert on_disk["no_signal_token_frac"] == pytest.approx(
+        no_signal / (on_disk["generated_tokens"] - offline))
     per_step = config.rollout.prompts_per_step * config.zve.n_samples
     for r in rl:
         n, tokens = r["zve/rollouts_generated"], r["zve/tokens_generated"]
@@ -206,6 +246,73 @@ def test_small_variant_runs_two_rl_steps(name, tmp_path_factory):
         for path in written:
             with open(path, "rb") as f:
                 assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        _check_samples_and_buffer_inspect(config, workdir)
+
+
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _check_samples_and_buffer_inspect(config, workdir):
+    """After a 2-step run: samples.jsonl and TensorBoard's text tab hold the first
+    `log.samples_per_step` groups of each step as text with rewards, outcomes and advantages;
+    `buffer inspect` (shards kept: buffer.keep_consumed) reports what the learner consumed,
+    the staleness at consumption, and shows a group's text as samples.jsonl has it."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from espo_jax.buffer.text import OUTCOMES
+
+    k, n = config.log.samples_per_step, config.zve.n_samples
+    rows = _jsonl(os.path.join(workdir, "samples.jsonl"))
+    assert [(r["step"], r["group"], r["sample"]) for r in rows] == [
+        (step, g, j) for step in (1, 2) for g in range(k) for j in range(n)]
+    for r in rows:
+        assert r["outcome"] in OUTCOMES and isinstance(r["reward"], float), r
+        assert r["prompt"] and r["prompt_id"].endswith(r["prompt"]), r  # arith ids end so
+        assert len(r["completion"]) <= r["length"] <= config.rollout.max_new_tokens, r
+        assert (r["advantage"] is None) == (r["train_reward"] is None) == (not r["kept"]), r
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["step"], r["group"]), []).append(r)
+    for group in groups.values():  # group-relative advantages are centred in each group
+        if group[0]["kept"]:
+            assert abs(sum(r["advantage"] for r in group)) < 1e-4, group
+    events = event_accumulator.EventAccumulator(os.path.join(workdir, "tensorboard"),
+                                                size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("samples/rl")
+    assert [e.step for e in texts] == [1, 2]
+    for e, step in zip(texts, (1, 2), strict=True):
+        table = e.tensor_proto.string_val[0].decode()
+        assert len(table.splitlines()) == 2 + k * n
+        assert f"| 0 | {groups[(step, 0)][0]['prompt_id']} |" in table
+
+    # The single process reads each step's groups at the version that generated them.
+    consumed = _jsonl(os.path.join(workdir, "consumed.jsonl"))
+    assert [c["step"] for c in consumed] == [0, 1, 2]  # 0: the offline pass-rate pass
+    total = sum(len(c["groups"]) for c in consumed)
+    inspect = [sys.executable, "-m", "espo_jax.buffer", "inspect", os.path.join(workdir, "buffer")]
+    out = subprocess.run(inspect, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"consumed: the learner read {total} groups in RL steps 0..2" in out.stdout
+    assert f"--config.buffer.keep_consumed=True: {total} of the {total} groups here" in out.stdout
+    assert ("staleness at consumption (the learner's policy version when it read a group minus "
+            f"the version that generated it; train.max_staleness bounds it): 0: {total} groups"
+            ) in out.stdout
+    # Step 2's first group, the last step's groups being the buffer's last ones.
+    first = total - len(consumed[-1]["groups"])
+    out = subprocess.run([*inspect, f"--show_group={first}"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    sample = groups[(2, 0)]
+    assert f"prompt {sample[0]['prompt_id']!r}, policy version 1" in out.stdout
+    for r in sample:
+        reward = f"{r['reward']:.4g}"
+        assert (f"response {r['sample']}: {r['outcome']}, reward {reward}, {r['length']} tokens"
+                ) in out.stdout
+        assert r["completion"] in out.stdout
+    assert out.stdout.count(sample[0]["prompt"]) >= 1
 
 
 @pytest.mark.slow
@@ -251,3 +358,13 @@ def test_family_small_variant_in_the_worker_layout(name, tmp_path):
     for r in rl:  # routing recorded by the workers' engines, replayed by the learner
         assert r["moe/routing_flip_rate"] is not None and math.isfinite(r["train/loss"])
     assert os.listdir(os.path.join(workdir, "workers"))
+    # Started again, finished: it says so, as the single process does (tests/test_main.py),
+    # and neither evaluates nor starts workers; summary.json stays byte for byte.
+    before = open(os.path.join(workdir, "summary.json"), "rb").read()
+    again = subprocess.run([sys.executable, "-m", "espo_jax.main", "--config",
+                            f"experiments/{name}.py:small", "--config.train.loop=async",
+                            "--workdir", workdir], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.startswith(f"{workdir}: finished (2 RL steps done), nothing to run")
+    assert open(os.path.join(workdir, "summary.json"), "rb").read() == before

@@ -22,7 +22,7 @@ def _write_run(workdir, with_clipping=True):
     for step in (1, 2, 3, 2, 3, 4):  # steps 2 and 3 again: a run resumed from checkpoint 1
         r = {"step": step, "phase": "rl", "rollout/accuracy": 0.1 * step,
              "rollout/reward_mean": 0.1 * step, "zve/zero_variance_frac_before": 0.8,
-             "zve/zero_variance_frac_after_filter": 0.2, "zve/wasted_token_frac": 0.5,
+             "zve/zero_variance_frac_after_filter": 0.2, "zve/no_signal_token_frac": 0.5,
              "mismatch/logp_abs_mean": 0.004, "mismatch/kl_k3": None,  # non-finite -> null
              "moe/routing_flip_rate": 0.01, "entropy/mean": 1.5 - 0.1 * step}
         if with_clipping:  # the off-policy topics: clip fractions, ratio tails, ESPO's eps

@@ -264,12 +264,17 @@ def test_user_task_errors(tmp_path, user_module):
             ("my_task_mod:nothing", "{}", ValueError, "module 'my_task_mod' has no 'nothing'"),
             ("no_such_module_xyz:make", "{}", ValueError, "cannot import 'no_such_module_xyz'"),
             ("my_task_mod:make_dupes", "{}", ValueError, "prompt_id 'same' appears twice"),
-            ("my_task_mod:make", '{"m": 1}', TypeError, "unexpected keyword argument 'm'")):
+            ("my_task_mod:make", '{"m": 1}', ValueError,
+             r"config.task_args key\(s\) \['m'\] are not parameters of task 'my_task_mod:make' "
+             r"\(my_task_mod.make\); it accepts: n")):
         with pytest.raises(error, match=match):
             task_prompts.prompt_sources(_small(task=spec, task_args=args), str(tmp_path), TOK)
     c = _small(task=f"{user_module}:make")
     c.rollout.max_prompt_len = 3
-    with pytest.raises(ValueError, match=r"prompt 'train/0' has 5 tokens > rollout.max_prompt"):
+    # "i*2=" + bos: 5 tokens (train, 4 prompts); the chat test prompt "3*2=": 4 (no bos)
+    with pytest.raises(ValueError, match=r"longest prompt, train prompt 'train/0', has 5 tokens "
+                       r"> rollout.max_prompt_len=3 \(5 of 5 prompts are longer\); set "
+                       r"--config.rollout.max_prompt_len=5 \(or more\), or 0"):
         task_prompts.prompt_sources(c, str(tmp_path), TOK)
     for bad, match in (("not a spec", "is not ''"), ("a:b:c", "is not ''")):
         with pytest.raises(ValueError, match=match):
@@ -294,3 +299,13 @@ def test_example_task_in_experiments_runs_as_written():
     assert task.reward(p, f"The answer is {p['answer']}.") is True
     assert task.reward(p, f"The answer is {int(p['answer']) + 1}.") is False
     assert task.reward(p, "no number") is False
+
+
+def test_reasoning_gym_reward_loads_its_scorer_in_warmup():
+    """The pool's workers call `warmup()` before work (imports outside the reward timeout);
+    PromptReward passes it on to the task reward."""
+    reward = tasks.ReasoningGymReward("basic_arithmetic")
+    assert "_score" not in vars(reward)
+    tasks.PromptReward(reward).warmup()
+    assert callable(vars(reward)["_score"])
+    tasks.PromptReward(tasks.arith_reward).warmup()  # a plain function has none: nothing to do

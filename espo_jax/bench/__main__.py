@@ -1,8 +1,9 @@
 """`python -m espo_jax.bench NAME [--quick] [--out FILE.json]`: runs one benchmark by name.
 
-NAME is one of model, buffer, engine, zve, attention, peers, packing, profile (see
+NAME is one of model, buffer, engine, zve, attention, peers, packing, profile, device_check (see
 `espo_jax.bench`). zve also takes `--init_from WORKDIR`, `--budget TOKENS` and `--prompts N`
-(`espo_jax.bench.zve`).
+(`espo_jax.bench.zve`); device_check `--dry_run` and `--budget_s S`, and writes --out after
+each of its sections (`espo_jax.bench.device_check`).
 """
 
 import importlib
@@ -13,16 +14,21 @@ from absl import app, flags
 
 from espo_jax.bench import NAMES
 
-_QUICK = flags.DEFINE_bool("quick", False, "a run under a minute")
+_QUICK = flags.DEFINE_bool("quick", False, "a run under a minute (zve: on another model, the "
+                           "`tiny` one of experiments/arith_espo.py:small, not its `small`)")
 _OUT = flags.DEFINE_string("out", None, "write the figures to this JSON file")
 # A benchmark's own flags -> the keyword arguments of its `run`.
 _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "zve: main-job WORKDIR (or its checkpoints/) holding the warm-started "
-    "params")
+    "params: of the `small` model (a run of experiments/arith_espo.py), with --quick of the "
+    "`tiny` one (a run of experiments/arith_espo.py:small)")
 _BUDGET = flags.DEFINE_integer("budget", None, "zve: generated tokens per configuration",
                                lower_bound=1)
 _PROMPTS = flags.DEFINE_integer("prompts", None, "zve: RL prompt pool size", lower_bound=1)
-OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS}}
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "device_check: the same code on the CPU, tiny")
+_BUDGET_S = flags.DEFINE_float("budget_s", None, "device_check: total seconds (default: its own)")
+OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS},
+             "device_check": {"dry_run": _DRY_RUN, "budget_s": _BUDGET_S}}
 
 
 def main(argv: list[str]) -> int:
@@ -46,8 +52,16 @@ def main(argv: list[str]) -> int:
     from espo_jax import console
 
     console.quiet(flags.FLAGS.verbosity)  # library INFO records off the console (as the main job)
+    from espo_jax import cli_errors
+
     module = importlib.import_module(f"espo_jax.bench.{name}")
-    figures = module.run(quick=_QUICK.value, **{k: h.value for k, h in own.items()})
+    kwargs = {k: h.value for k, h in own.items()}
+    if name == "device_check":  # its figures reach --out after each section, not only the last
+        kwargs["out"] = _OUT.value
+    try:
+        figures = module.run(quick=_QUICK.value, **kwargs)
+    except cli_errors.CommandLineError as e:  # one message (--verbosity=1: the traceback)
+        return cli_errors.fail(e, flags.FLAGS.verbosity)
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump({"benchmark": name, "quick": _QUICK.value, **figures}, f, indent=2)

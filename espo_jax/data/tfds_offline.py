@@ -7,6 +7,7 @@ The builders here generate or read local data only. They are written as
 
 from __future__ import annotations
 
+import logging
 import os
 
 import tensorflow_datasets as tfds
@@ -30,6 +31,16 @@ class OfflineBuilder(tfds.core.GeneratorBasedBuilder):
 
         return epath.Path(inspect.getfile(cls))
 
+    # TFDS prints (not logs) a "Downloading and preparing dataset Unknown size" banner and a
+    # "downloaded and prepared" line; nothing is downloaded here, so the log file says it.
+    def _log_download_bytes(self) -> None:
+        logging.info("preparing dataset %s (generated locally, nothing downloaded) in %s",
+                     self.name, self.data_dir, extra=console.FILE_ONLY)
+
+    def _log_download_done(self) -> None:
+        logging.info("dataset %s prepared in %s", self.name, self.data_dir,
+                     extra=console.FILE_ONLY)
+
 
 def prepare(builder_cls: type[OfflineBuilder], data_dir: str | os.PathLike, config=None,
             ) -> OfflineBuilder:
@@ -44,7 +55,9 @@ def prepare(builder_cls: type[OfflineBuilder], data_dir: str | os.PathLike, conf
         kwargs = {"config": config.name}
     builder = builder_cls(data_dir=os.fspath(data_dir), file_format="array_record", **kwargs)
     try:
-        if console.is_quiet() and not builder.is_prepared():
+        # `data_path.exists()` is what `download_and_prepare` tests; `is_prepared()` would warn
+        # "has no dataset_info.json" for a dataset not yet prepared.
+        if console.is_quiet() and not builder.data_path.exists():
             tfds.disable_progress_bar()  # the main job's quiet console
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(try_download_gcs=False))

@@ -13,6 +13,11 @@ DISPATCHES = ("dropless", "dropless_loop", "capacity", "ragged", "dense")
 # "gqa": grouped-query attention (Qwen, Llama, GLM-4.5; `layers.Attention`); "mla": DeepSeek's
 # multi-head latent attention (`mla.LatentAttention`)
 ATTENTIONS = ("gqa", "mla")
+# How a pass without a KV cache (the learner's forward, a prefill's is cached) computes GQA
+# attention: "xla", espo_jax's own einsums (`layers.attend_keys`); "dpa",
+# `jax.nn.dot_product_attention` with JAX's choice of implementation; "cudnn", the same forced
+# onto cuDNN's fused kernel (GPU only: elsewhere it raises when traced)
+ATTENTION_IMPLS = ("xla", "dpa", "cudnn")
 # "softmax_topk": top-k of softmax(logits) (Qwen-MoE, Mixtral); "sigmoid_group": sigmoid scores,
 # a correction bias and group-limited top-k (DeepSeek-V3, GLM-4.5); see espo_jax/models/router.py
 ROUTERS = ("softmax_topk", "sigmoid_group")
@@ -66,6 +71,7 @@ class ModelConfig:
     # ~(n-1)/2n of the score work is skipped; equal to n = 1 up to float summation order.
     # Needs positions that increase along each segment of a row (every batch here has them).
     causal_blocks: int = 1
+    attention_impl: str = "xla"  # ATTENTION_IMPLS
     # ---- DeepSeek-V3 / GLM-4.5 families (the defaults keep the Qwen / Llama models unchanged) ----
     attention: str = "gqa"  # ATTENTIONS
     # MLA (attention == "mla"; n_kv_heads and head_dim then unused): query low-rank size (0: a
@@ -151,6 +157,15 @@ class ModelConfig:
         if self.attention_chunk < 0:
             errors.append(f"attention_chunk must be >= 0 (0: unchunked), got "
                           f"{self.attention_chunk}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            errors.append(f"attention_impl {self.attention_impl!r} is not one of "
+                          f"{ATTENTION_IMPLS}")
+        elif self.attention_impl != "xla" and (self.attention != "gqa" or self.attention_chunk
+                                               or self.causal_blocks > 1):
+            errors.append(f"attention_impl {self.attention_impl!r} (jax.nn.dot_product_attention) "
+                          f"takes GQA attention without attention_chunk or causal_blocks; got "
+                          f"attention {self.attention!r}, attention_chunk "
+                          f"{self.attention_chunk}, causal_blocks {self.causal_blocks}")
         if self.capacity_factor <= 0:
             errors.append(f"capacity_factor must be > 0, got {self.capacity_factor}")
         for name in ("dtype", "param_dtype"):

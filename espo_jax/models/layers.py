@@ -288,12 +288,35 @@ def causal_blocks(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array, segments_BxT
     return jnp.concatenate(outs, axis=1)
 
 
+def dot_product_attention(config: ModelConfig, q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
+                          segments_BxT: jax.Array, *, keys_BxKxSxA: jax.Array,
+                          values_BxKxSxA: jax.Array, **_) -> jax.Array:
+    """`attend_keys` of a pass without a cache (S == T) through `jax.nn.dot_product_attention`
+    (`config.attention_impl` "dpa": JAX picks the implementation; "cudnn": cuDNN's fused kernel),
+    with the same visibility as a boolean [B, 1, T, S] mask. Its query head h = k * G + g is
+    `q_BxTxKxGxA[:, :, k, g]`, as `jax.nn.dot_product_attention` groups heads; scale 1/sqrt(A)."""
+    b, t, kv, g, a = q_BxTxKxGxA.shape
+    mask_BxTxS = ((positions_BxT[:, None, :] <= positions_BxT[:, :, None])
+                  & (segments_BxT[:, None, :] > 0)
+                  & segment_visible(segments_BxT[:, :, None], segments_BxT[:, None, :]))
+    dtype = jnp.dtype(config.dtype)
+    out_BxTxHxA = jax.nn.dot_product_attention(
+        q_BxTxKxGxA.reshape(b, t, kv * g, a).astype(dtype),
+        jnp.swapaxes(keys_BxKxSxA, 1, 2).astype(dtype),
+        jnp.swapaxes(values_BxKxSxA, 1, 2).astype(dtype), mask=mask_BxTxS[:, None],
+        implementation="cudnn" if config.attention_impl == "cudnn" else None)
+    return out_BxTxHxA.reshape(b, t, kv, g, a)
+
+
 def attend(config: ModelConfig, q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
            segments_BxT: jax.Array, no_cache: bool, **keys: jax.Array | None) -> jax.Array:
     """`attend_keys` (keyword arguments `keys`) the way `config` asks: in query chunks
-    (`attention_chunk`), in causal blocks (`causal_blocks`, a pass without a cache), or at once."""
+    (`attention_chunk`), in causal blocks (`causal_blocks`, a pass without a cache), through
+    `jax.nn.dot_product_attention` (`attention_impl`, a pass without a cache), or at once."""
     c = config
     t = q_BxTxKxGxA.shape[1]
+    if no_cache and c.attention_impl != "xla":
+        return dot_product_attention(c, q_BxTxKxGxA, positions_BxT, segments_BxT, **keys)
     attend_fn = functools.partial(attend_keys, **keys, dtype=c.dtype)
     if c.attention_chunk and t > c.attention_chunk:
         return chunked(attend_fn, q_BxTxKxGxA, positions_BxT, segments_BxT, c.attention_chunk)

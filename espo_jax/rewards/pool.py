@@ -25,7 +25,10 @@ wall per response (`python -m espo_jax.bench engine`).
 
 Reward function contract: `reward_fn(text, answer)` returns a bool (outcome; reward 1.0/0.0), a
 number (reward; outcome = reward > 0), or a mapping with "reward" and "outcome" and optional
-further numeric components.
+further numeric components. A reward function (or callable object) may define `warmup()`: each
+worker calls it once before it takes work (imports, loading a scorer), so that cost is never
+counted against `timeout_s` and a worker replaced after a timeout is warm too; an exception in it
+fails every response that worker would score, reported as the reward's error.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ def normalize_reward(value: Any) -> tuple[float, bool, dict[str, float]]:
 
 def _serve(conn: Connection, reward_fn: Callable, detokenize: Callable | None) -> None:
     """Worker loop (process or thread): receive (task_id, text, answer), send back the score."""
+    warm_error = None
+    if callable(getattr(reward_fn, "warmup", None)):
+        try:
+            reward_fn.warmup()
+        except Exception as e:  # reported with each response this worker is given
+            warm_error = f"warmup {type(e).__name__}: {e}\n{traceback.format_exc()}"
     try:
         conn.send("ready")  # timeouts count from here, not from a slow process start
     except (OSError, BrokenPipeError):  # the pool was closed before this worker started
@@ -94,6 +103,8 @@ def _serve(conn: Connection, reward_fn: Callable, detokenize: Callable | None) -
         task_id, text, answer = msg
         start = time.perf_counter()
         try:
+            if warm_error is not None:
+                raise RuntimeError(warm_error)
             if not isinstance(text, str):
                 if detokenize is None:
                     raise TypeError("response given as tokens but the pool has no detokenize")

@@ -10,11 +10,11 @@ from espo_jax.rl.losses import (
     KL_ESTIMATORS,
     LOSSES,
     TIS_MODES,
+    unknown_loss,
 )
 
 AGGREGATIONS = ("auto", *AGGREGATION_MODES)
 _CHOICES = {
-    "name": LOSSES,  # the registry itself: a loss registered later is valid too
     "aggregation": AGGREGATIONS,
     "kl_estimator": KL_ESTIMATORS,
     "tis": TIS_MODES,
@@ -50,7 +50,7 @@ def paper_loss_config(name: str) -> ml_collections.ConfigDict:
     (`LOSSES[name].clip`)."""
     c = default_loss_config()
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; valid: {sorted(LOSSES)}")
+        raise ValueError(unknown_loss(name))
     c.name = name
     for key, value in LOSSES[name].clip.items():
         c[key] = value
@@ -68,6 +68,8 @@ def validate_loss_config(config: ml_collections.ConfigDict) -> None:
             f"loss config has unknown key(s) {sorted(given - expected)}; "
             f"valid keys: {sorted(expected)}"
         )
+    if config.name not in LOSSES:  # the registry itself: a loss registered later is valid too
+        raise ValueError(unknown_loss(config.name))
     for key, allowed in _CHOICES.items():
         if config[key] not in allowed:
             raise ValueError(f"loss config {key}={config[key]!r} is not one of {list(allowed)}")

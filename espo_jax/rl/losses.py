@@ -8,7 +8,8 @@ bounds; `policy_loss` then applies truncated importance sampling, aggregates, ad
 and returns `loss = -objective + kl_coef * KL` with flat metrics.
 
 `LOSSES` is the one registry: name -> `LossSpec(fn, aggregation, clip)`, the surrogate with the
-reduction and clip settings its paper reports. A new loss is a new function and an entry there;
+reduction and clip settings its paper reports. A new loss is a new function registered there
+(`@register(name, aggregation=...)`; from the command line `--config.imports=MODULE`);
 the config section (`espo_jax.rl.loss_config`) reads the registry, never the other way round.
 
 Clipped surrogate, written so the gradient at a clip boundary is the unclipped one:
@@ -231,6 +232,33 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 
+def register(name: str, *, aggregation: str, clip: Mapping[str, float] | None = None):
+    """Decorator: `@register("reinforce", aggregation="token_mean")` adds the decorated loss to
+    `LOSSES` (`LossSpec(fn, aggregation, clip)`). Put it in a module of your own and name that
+    module with `--config.imports=MODULE` (`experiments/my_loss.py`). Registering a name taken
+    by another function is an error; the same function again (a re-import) is not."""
+
+    def decorator(fn: LossFn) -> LossFn:
+        old = LOSSES.get(name)
+        if old is not None and (old.fn.__module__, old.fn.__qualname__) != (
+                fn.__module__, fn.__qualname__):
+            raise ValueError(f"loss {name!r} is already registered "
+                             f"({old.fn.__module__}.{old.fn.__qualname__}); choose another name")
+        LOSSES[name] = LossSpec(fn, aggregation, dict(clip or {}))
+        return fn
+
+    return decorator
+
+
+def unknown_loss(name: str) -> str:
+    """The error for a loss name not in `LOSSES`: the registered names and how to add one."""
+    return (f"loss {name!r} is not registered; registered: {sorted(LOSSES)}. Register your own "
+            "with the decorator `@espo_jax.rl.losses.register(NAME, aggregation=...)` in a "
+            "module of your own, and import that module with --config.imports=MODULE "
+            "(example: --config.imports=my_loss --config.loss.name=reinforce, "
+            "experiments/my_loss.py)")
+
+
 def aggregation_mode(config: ml_collections.ConfigDict) -> str:
     """The `aggregate` mode a loss config uses (`auto` resolves to the paper's)."""
     return LOSSES[config.name].aggregation if config.aggregation == "auto" else config.aggregation
@@ -308,7 +336,9 @@ def policy_loss(
     checked here; ranges and keys by `loss_config.validate_loss_config`
     (`config_validation.validate`).
     """
-    for key, allowed in (("name", LOSSES), ("kl_estimator", KL_ESTIMATORS), ("tis", TIS_MODES),
+    if config.name not in LOSSES:
+        raise ValueError(unknown_loss(config.name))
+    for key, allowed in (("kl_estimator", KL_ESTIMATORS), ("tis", TIS_MODES),
                          ("espo_token_ratio", ESPO_TOKEN_RATIOS)):
         if config[key] not in allowed:  # the rest: `loss_config.validate_loss_config`
             raise ValueError(f"loss config {key}={config[key]!r} is not one of {list(allowed)}")

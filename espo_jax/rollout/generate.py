@@ -45,7 +45,8 @@ def generate_scored_groups(
     every group's meta (the worker puts its writer id there). A response whose reward failed
     is logged with `task`, the prompt id and the pool's error (with the reward's traceback),
     once per group, and listed in the group's meta (`reward_failed`: the responses' indices; MS-ZVE
-    reads their outcomes as missing, not wrong, `espo_jax.zve.groups.reward_failed`).
+    reads their outcomes as missing, not wrong, `espo_jax.zve.groups.reward_failed`; those that
+    timed out also in `reward_timed_out`).
     """
     requests = [
         Request(prompt_id=str(p["prompt_id"]), tokens=list(p["tokens"]), n_samples=n)
@@ -83,6 +84,9 @@ def generate_scored_groups(
                       "level": int(prompt.get("level", 0)), **(meta or {})}
         if failed:
             group_meta["reward_failed"] = [res.response_idx for res in failed]
+            timed_out = [res.response_idx for res in failed if res.timed_out]
+            if timed_out:  # of those, the ones past the timeout (the rest raised or crashed)
+                group_meta["reward_timed_out"] = timed_out
             logging.warning("task %r: reward failed on %d of %d responses of prompt %r; first "
                             "(response %d): %s", task, len(failed), len(results),
                             group.prompt_id, failed[0].response_idx, failed[0].error)

@@ -70,10 +70,12 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     m = config.mesh  # the learner's mesh: nothing of it runs here
     config_validation.validate(config, n_devices=m.data * m.fsdp * m.expert * m.tensor)
     tokenizer = run_setup.load_run_tokenizer(config)
-    wc = worker_config(config, (tokenizer.eos_id,), seed=config.seed * 1000 + index)
     require_vllm()  # fail fast: before preparing data and waiting for weights
-    check_accelerator(wc.quantization, wc.capture_routing)
     os.makedirs(workdir, exist_ok=True)
+    if not config.rollout.max_prompt_len:  # 0: sized from the task's prompts, which vLLM's
+        run_setup.prompt_sets(config, workdir, tokenizer)  # max_model_len needs first
+    wc = worker_config(config, (tokenizer.eos_id,), seed=config.seed * 1000 + index)
+    check_accelerator(wc.quantization, wc.capture_routing)
     sampler = VllmSampler(wc, log=functools.partial(print, flush=True))
     return worker.main_from_config(config, workdir, index, num_workers, max_batches=max_batches,
                                    until_version=until_version, stats=stats, sampler=sampler,

@@ -18,7 +18,7 @@ import os
 
 import jax
 
-from espo_jax import run_setup, tasks
+from espo_jax import config_imports, run_setup, tasks
 from espo_jax.buffer import flow
 from espo_jax.rollout.sampler import Sampler
 from espo_jax.rollout.sampling import SamplingConfig
@@ -61,6 +61,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     stops after `max_batches`, after a batch sampled at policy version >= `until_version`, when
     the learner is done, or on SIGTERM; `stats`: a JSON file for the run's counters.
     """
+    config_imports.import_modules(config)  # a spawned worker has not validated its config
     r = config.rollout
     if r.prompts_per_step % num_workers:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "

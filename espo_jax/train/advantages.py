@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from espo_jax.buffer.records import RolloutGroup
-from espo_jax.rl.advantages import ADVANTAGES, zvp_signs
+from espo_jax.rl.advantages import ADVANTAGES, overlong_penalty, zvp_signs
 from espo_jax.zve.groups import reward_failed
 
 
@@ -55,6 +55,21 @@ def group_advantages(
     if not advs:
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
     return np.concatenate(advs).astype(np.float32), np.concatenate(signs)
+
+
+def config_advantages(groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray], config
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """`group_advantages` as a run's config sets it (`advantage.name`, `zve.zvp`); with
+    `advantage.overlong_buffer` > 0 DAPO's overlong penalty is added to the rewards first. Per
+    group, so a subset of groups gets the advantages it gets in the whole batch."""
+    buffer = config.advantage.overlong_buffer
+    if buffer > 0:
+        max_len = config.rollout.max_new_tokens
+        rewards = [np.asarray(rw, np.float32) + np.asarray(overlong_penalty(
+            np.array([r.length for r in g.responses]), max_len, buffer))
+            for g, rw in zip(groups, rewards, strict=True)]
+    return group_advantages(groups, rewards, config.advantage.name, config.zve.zvp.enabled,
+                            config.zve.zvp.wrong_groups)
 
 
 def trained_responses(groups: Sequence[RolloutGroup]) -> np.ndarray:

@@ -227,14 +227,6 @@ class AsyncRun(Run):
             m[f"worker/{wid}/max_ahead"] = float(st.get("worker/max_ahead", 0))
         return m
 
-    def _log_consumed(self, step: int, groups) -> None:
-        """One line per step: every group read for it (worker, prompt id, policy version)."""
-        if distributed.is_primary():
-            with open(os.path.join(self.workdir, "consumed.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, "groups": [
-                    [g.meta.get("worker", "?"), str(g.prompt_id), int(g.policy_version)]
-                    for g in groups]}) + "\n")
-
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> dict:
         c = self.config
@@ -263,7 +255,7 @@ class AsyncRun(Run):
                 stale_lengths.clear()
                 result = online.collect(c.rollout.prompts_per_step,
                                         lambda n, v=step: self._groups(reader, n, v))
-                self._log_consumed(step + 1, self._read_this_step)
+                self.log_consumed(step + 1, self._read_this_step, reader.cursor)
                 zmetrics = step_metrics(result.generated, result.batch,
                                         zvp_enabled=c.zve.zvp.enabled,
                                         zvp_wrong=c.zve.zvp.wrong_groups)
@@ -297,6 +289,7 @@ class AsyncRun(Run):
                 if c.eval.every and step % c.eval.every == 0 and not done:
                     metrics.update(self.evaluate(state.params))
                 self.logger.write(step, metrics, phase="rl")
+                self.samples.write(step, self._read_this_step, result.batch)
                 logging.info(
                     "async RL step %d/%d: rollout acc %.3f, staleness <= %d, waited %.1f s of "
                     "%.1f s; %d live workers, stale dropped %d groups (%.2f%% of tokens), "

@@ -68,6 +68,10 @@ class RLBatch:
 
 def rl_seq_len(config) -> int:
     """Columns of an RL row: prompt (bos included) + response, less the last token (a target)."""
+    if not config.rollout.max_prompt_len:
+        raise ValueError("rollout.max_prompt_len=0 is sized from the task's prompts "
+                         "(`task_prompts.size_prompt_len`, in `run_setup.build`) before a learner "
+                         "is made")
     return config.rollout.max_prompt_len + config.rollout.max_new_tokens - 1
 
 

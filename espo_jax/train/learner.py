@@ -35,9 +35,8 @@ import numpy as np
 
 from espo_jax import console, distributed, sharding
 from espo_jax.buffer.records import RolloutGroup
-from espo_jax.rl.advantages import overlong_penalty
 from espo_jax.train import step as step_lib
-from espo_jax.train.advantages import group_advantages, trained_responses
+from espo_jax.train.advantages import config_advantages, trained_responses
 from espo_jax.train.batch import RLBatch, balanced_parts, pack_sequences, prompt_keys, rl_seq_len
 from espo_jax.train.state import TrainState
 from espo_jax.train.warmstart import sft_batch
@@ -248,16 +247,7 @@ class Learner:
         signs, `trained_responses`), `rows_per_update` responses at a time (advantages from
         `rewards`, one float32 array per group; with `advantage.overlong_buffer` > 0 DAPO's
         overlong penalty is added to them first)."""
-        buffer = self.config.advantage.overlong_buffer
-        if buffer > 0:
-            max_len = self.config.rollout.max_new_tokens
-            rewards = [np.asarray(rw, np.float32) + np.asarray(overlong_penalty(
-                np.array([r.length for r in g.responses]), max_len, buffer))
-                for g, rw in zip(groups, rewards, strict=True)]
-        adv, signs = group_advantages(
-            groups, rewards, self.config.advantage.name, self.config.zve.zvp.enabled,
-            self.config.zve.zvp.wrong_groups,
-        )
+        adv, signs = config_advantages(groups, rewards, self.config)
         trained = trained_responses(groups)
         flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
         for start in range(0, max(len(flat), 1), self.rows_per_update):

@@ -32,8 +32,15 @@ from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.evaluate import evaluate
 from espo_jax.train.learner import Learner
 from espo_jax.train.metrics import MetricLogger, rollout_metrics
+from espo_jax.train.samples import SampleLog
 from espo_jax.train.warmstart import warm_seq_len, warm_start
-from espo_jax.zve import ZVEPipeline, failed_reward_fraction, groups_and_rewards, require_scored
+from espo_jax.zve import (
+    ZVEPipeline,
+    accounting,
+    failed_reward_fraction,
+    groups_and_rewards,
+    require_scored,
+)
 
 
 def _engine(setup, precision: str) -> Engine:
@@ -91,6 +98,7 @@ class Run:
         self.eval_engine = _engine(self.setup, "fp32")
         self.decode = tasks.decoder(config, self.setup.tokenizer)
         self.outcome = tasks.outcome_fn(self.setup.task)
+        self.samples = SampleLog(workdir, config, self.setup.tokenizer, self.decode, self.logger)
 
     # -- pieces -----------------------------------------------------------------------------
     def evaluate(self, params, prompts=None) -> dict:
@@ -125,11 +133,12 @@ class Run:
         for ckpt in (self.ckpt, warm):
             if ckpt.latest_step() is not None:
                 state, meta = ckpt.restore(state)
+                meta = accounting.current_names(meta)  # a checkpoint of older code
                 logging.info("resuming from %s at RL step %d", ckpt.directory, meta["rl_step"])
                 warm.close()
                 self.t_rl = time.time()
                 return state, meta
-        meta = {"rl_step": 0, "generated_tokens": 0, "wasted_tokens": 0, "offline_tokens": 0,
+        meta = {"rl_step": 0, "generated_tokens": 0, "no_signal_tokens": 0, "offline_tokens": 0,
                 "mismatch_sum": 0.0, "mismatch_n": 0, "cursor": None, "zve": None,
                 "predictor": None, "warmstart": {}}
         if c.checkpoint.init_from:  # WORKDIR has none: start_point resolved init_from
@@ -225,10 +234,10 @@ class Run:
             # From the policy being ready to the end (offline pass, RL steps, evaluations) in
             # this process: a resumed run counts only its own part.
             "rl_seconds": time.time() - self.t_rl,
-            "generated_tokens": generated,
-            # Offline pass-rate samples (stage 0) carry no gradient: they count as wasted.
-            "wasted_token_fraction": (meta["wasted_tokens"] + meta["offline_tokens"])
-            / max(generated, 1),
+            "generated_tokens": generated,  # the offline pass's included
+            # no_signal_token_frac and ..._with_offline: espo_jax.zve.accounting.
+            **accounting.run_fractions(meta["generated_tokens"], meta["no_signal_tokens"],
+                                       meta["offline_tokens"]),
             "mean_abs_logp_mismatch": meta["mismatch_sum"] / max(meta["mismatch_n"], 1),
             "skipped_updates": int(jax.device_get(state.skipped)),
             "warmstart": meta["warmstart"],
@@ -243,11 +252,25 @@ class Run:
         self.logger.close()
         return summary
 
+    def log_consumed(self, step: int, groups, cursor: dict) -> None:
+        """One line of `WORKDIR/consumed.jsonl` per RL step (0: the offline pass before RL):
+        the learner's policy version when it read the step's groups (`step` - 1), the time,
+        the reader's cursor after them, and every group read (worker, prompt id, the policy
+        version that generated it). `python -m espo_jax.buffer inspect` reads it for the
+        staleness at consumption; a resumed learner logs the steps it redoes again."""
+        if distributed.is_primary():
+            line = {"step": step, "learner_version": max(step - 1, 0), "time": time.time(),
+                    "cursor": cursor, "groups": [
+                        [g.meta.get("worker", "?"), str(g.prompt_id), int(g.policy_version)]
+                        for g in groups]}
+            with open(os.path.join(self.workdir, "consumed.jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
+
     def record_step(self, meta: dict, step: int, zmetrics: dict, lmetrics: dict) -> None:
         """Adds one RL step's token and mismatch counts to the run totals in `meta`."""
         meta["rl_step"] = step
         meta["generated_tokens"] += int(zmetrics.get("zve/tokens_generated", 0))
-        meta["wasted_tokens"] += int(zmetrics.get("zve/wasted_tokens", 0))
+        meta["no_signal_tokens"] += int(zmetrics.get("zve/no_signal_tokens", 0))
         meta["mismatch_sum"] += lmetrics.get("mismatch/logp_abs_mean", 0.0)
         meta["mismatch_n"] += 1
 
@@ -308,6 +331,7 @@ class SyncRun(Run):
             _, m = zve.offline_prune(rollout)
             meta["offline_tokens"] += int(m.get("zve/offline_tokens", 0))
             self.logger.write(0, m, phase="rl")
+            self.log_consumed(0, generated, reader.cursor)
         progress = console.Progress("RL", c.train.steps)
         while not self.finished(step, meta):
             t_step = time.time()
@@ -330,6 +354,8 @@ class SyncRun(Run):
             if c.eval.every and step % c.eval.every == 0 and not done:
                 metrics.update(self.evaluate(state.params))
             self.logger.write(step, metrics, phase="rl")
+            self.samples.write(step, generated, batch)
+            self.log_consumed(step, generated, reader.cursor)
             logging.info("RL step %d/%d: rollout acc %.3f, zv frac %.2f, %.1f s", step,
                          c.train.steps, metrics["rollout/accuracy"],
                          zmetrics.get("zve/zero_variance_frac_before", 0.0), metrics["time/step_s"],

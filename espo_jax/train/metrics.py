@@ -45,6 +45,11 @@ class MetricLogger:
             self._writer.write_scalars(int(step), {f"{phase}/{k}": v for k, v in scalars.items()})
         return scalars
 
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        """Markdown texts to TensorBoard's text tab (process 0; nothing without event files)."""
+        if self.enabled and self._writer is not None:
+            self._writer.write_texts(int(step), dict(texts))
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

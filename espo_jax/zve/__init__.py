@@ -27,6 +27,7 @@ Around the stages:
                 `reward_failed`, `known_outcomes`
   metrics.py    `step_metrics`: the per-step `zve/...` scalars; `length_metrics`: the
                 `lengths/...` ones (generated against trained)
+  accounting.py no-signal tokens (no gradient): each figure's name and definition
   pipeline.py   `ZVEPipeline`: all of it around a caller's `rollout(plan)` callback
 
 MS-ZVE reads `espo_jax.buffer.RolloutGroup`s and never writes to them; rewards travel beside

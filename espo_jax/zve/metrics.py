@@ -3,7 +3,8 @@
 A group carries no signal for group-relative advantages when its rewards are all equal. With
 binary outcomes as rewards that is "all right or all wrong"; stage 2 (tie-breaking) can give an
 all-right group distinct rewards; stage 4 drops groups before training; stage 3 (RL-ZVP) gives
-every zero-variance group an entropy-guided advantage, so with it no trained group is wasted.
+every zero-variance group an entropy-guided advantage, so with it every trained group has
+signal. The token accounting's names and definitions: `espo_jax.zve.accounting`.
 
 Groups are `ScoredGroup`s (a `RolloutGroup` with MS-ZVE's rewards); "all equal" is
 `espo_jax.rl.advantages.zero_variance`, the predicate the learner and the filter use too. By
@@ -64,15 +65,16 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
     generated responses whose reward call failed, `missing_outcome_groups` the groups with no
     known outcome.
     `zv_outcome_rollouts` / `zv_outcome_tokens` are the rollouts and tokens generated in groups
-    of one binary outcome. Wasted rollouts and tokens are those of generated groups not trained
-    on, plus those of trained groups without reward contrast (unless RL-ZVP gives them one);
-    `trained_no_grad_tokens` of `trained_tokens` is the latter part alone: tokens the update
-    reads whose advantages are all zero. `effective_batch` counts trained groups with signal.
+    of one binary outcome. No-signal rollouts and tokens (`espo_jax.zve.accounting`) are those
+    of generated groups not trained on, plus those of trained groups without reward contrast
+    (unless RL-ZVP gives them one); `trained_zero_adv_tokens` of `trained_tokens` is the latter
+    part alone: tokens the update reads whose advantages are all zero. `effective_batch` counts
+    trained groups with signal.
     """
     batch_ids, generated_ids = {id(g) for g in batch}, {id(g) for g in generated}
     if len(batch_ids) != len(batch) or not batch_ids <= generated_ids:
         raise ValueError("step_metrics: batch must be distinct groups taken from generated")
-    rollouts = tokens = wasted_rollouts = wasted_tokens = 0
+    rollouts = tokens = no_signal_rollouts = no_signal_tokens = 0
     zv_outcome = zv_reward = zv_rollouts = zv_tokens = missing = no_outcome = 0
     for g in generated:
         lengths, outcomes, known = g.lengths, g.outcomes, known_outcomes(g)
@@ -87,8 +89,8 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
         flat = _flat(g.rewards)
         zv_reward += flat
         if id(g) not in batch_ids or (flat and not _zvp_covers(g, zvp_enabled, zvp_wrong)):
-            wasted_rollouts += len(outcomes)
-            wasted_tokens += int(lengths.sum())
+            no_signal_rollouts += len(outcomes)
+            no_signal_tokens += int(lengths.sum())
     zv_batch = sum(_flat(g.rewards) for g in batch)
     silent = [g for g in batch if _flat(g.rewards) and not _zvp_covers(g, zvp_enabled, zvp_wrong)]
     no_signal = len(silent)
@@ -106,10 +108,10 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
         "zve/zv_outcome_rollouts": float(zv_rollouts),
         "zve/zv_outcome_tokens": float(zv_tokens),
         "zve/trained_tokens": float(sum(int(g.lengths.sum()) for g in batch)),
-        "zve/trained_no_grad_tokens": float(sum(int(g.lengths.sum()) for g in silent)),
-        "zve/wasted_rollouts": float(wasted_rollouts),
-        "zve/wasted_tokens": float(wasted_tokens),
-        "zve/wasted_token_frac": wasted_tokens / max(tokens, 1),
+        "zve/trained_zero_adv_tokens": float(sum(int(g.lengths.sum()) for g in silent)),
+        "zve/no_signal_rollouts": float(no_signal_rollouts),
+        "zve/no_signal_tokens": float(no_signal_tokens),
+        "zve/no_signal_token_frac": no_signal_tokens / max(tokens, 1),
         "zve/batch_groups": float(len(batch)),
         "zve/effective_batch": float(len(batch) - no_signal),
         "zve/missing_outcomes": float(missing),

@@ -14,7 +14,7 @@ too easy.
 
 With stage 3 (RL-ZVP) on, a zero-variance group is not without signal: RL-ZVP gives it an
 entropy-guided advantage. Dropping it would throw away tokens that carry gradient (measured on
-arith_chains when the filter still dropped them: 8% wasted tokens without the filter, 42% with
+arith_chains when the filter still dropped them: 8% no-signal tokens without the filter, 42% with
 it), so `OnlineFilter.for_zve` builds the filter with `keep_zero_variance=True` then, and the
 stage passes every group through: it only acts for losses that get nothing from a
 zero-variance group.

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-NAMES = "model, buffer, engine, zve, attention, peers, packing, profile"
+NAMES = "model, buffer, engine, zve, attention, peers, packing, profile, device_check"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -40,7 +40,8 @@ def test_zve_quick_runs_on_the_default_config(tmp_path):
         assert c["stopped"] == "", name
         assert 0 <= c["zero_variance_groups"] <= c["groups"], name
         assert c["signal_groups"] <= c["trained_groups"] <= c["groups"], name
-        assert c["wasted_tokens"] <= c["tokens"] + c["offline_tokens"], name
+        assert c["no_signal_tokens"] + c["offline_tokens"] <= c["tokens"], name
+        assert c["trained_zero_adv_tokens"] <= c["trained_tokens"], name
     # Plain GRPO trains on every group: those without contrast are the zero-variance ones.
     plain = configs["plain GRPO"]
     assert plain["signal_groups"] == plain["trained_groups"] - plain["zero_variance_groups"]

@@ -72,14 +72,15 @@ def test_stage_configs_add_one_stage_at_a_time_then_drop_rl_zvp():
 
 def test_plain_grpo_spends_two_epochs():
     # budget 104 = 2 epochs: after 3 steps at most 52 + 2 * (7 + 11) = 88 < 104 tokens, so
-    # exactly 4 steps, whatever the epoch order; wasted 2 * 16 = 32 -> 32 / 104
+    # exactly 4 steps, whatever the epoch order; no signal in 2 * 16 = 32 -> 32 / 104
     s = _spend(_config(), 104)
-    assert (s.steps, s.tokens, s.wasted_tokens, s.offline_tokens) == (4, 104, 32, 0)
-    assert s.wasted_frac == pytest.approx(32 / 104)
+    assert (s.steps, s.tokens, s.no_signal_tokens, s.offline_tokens) == (4, 104, 32, 0)
+    assert s.no_signal_token_frac == s.no_signal_token_frac_with_offline == pytest.approx(
+        32 / 104)
     assert (s.groups, s.zero_variance_groups, s.trained_groups, s.signal_groups) == (8, 4, 8, 4)
     # p0 and p1 twice: 4 groups of 2 rollouts, 32 tokens, all trained on without gradient.
     assert (s.zero_variance_rollouts, s.zero_variance_tokens) == (8, 32)
-    assert (s.trained_zero_variance_groups, s.trained_tokens, s.trained_no_grad_tokens) == (
+    assert (s.trained_zero_variance_groups, s.trained_tokens, s.trained_zero_adv_tokens) == (
         4, 104, 32)
     row = bench.table({"plain GRPO": s}).splitlines()[-1]
     assert "50.0%" in row and "8 / 32" in row and "30.8%" in row  # 4/8 groups, 32/104 tokens
@@ -87,43 +88,79 @@ def test_plain_grpo_spends_two_epochs():
 
 def test_rl_zvp_gives_every_trained_group_signal():
     s = _spend(_config("zvp"), 104)
-    assert (s.tokens, s.wasted_tokens, s.signal_groups) == (104, 0, 8)
+    assert (s.tokens, s.no_signal_tokens, s.signal_groups) == (104, 0, 8)
     # RL-ZVP gives those groups a gradient; it does not change the zero-variance rate.
     assert (s.zero_variance_groups, s.trained_zero_variance_groups) == (4, 4)
-    assert s.trained_no_grad_tokens == 0
+    assert s.trained_zero_adv_tokens == 0
 
 
-def test_offline_pass_counts_as_wasted_and_is_shared():
+def test_offline_pass_counts_as_no_signal_and_is_shared():
     # offline: 4 prompts x k=2 = 52 tokens; p0, p1 pruned. Each step then takes p2 and p3:
     # 2 * (7 + 11) = 36 tokens, all with contrast. 52 + 36 = 88 < 104 <= 124 -> 2 steps.
     underlying, cache = ScriptedPolicy(), {}
     for _ in range(2):
         offline = bench.numbered(lambda i, plan: underlying(plan), cache)
         s = _spend(_config("offline"), 104, offline=offline)
-        assert (s.steps, s.tokens, s.offline_tokens, s.wasted_tokens, s.pruned) == (
-            2, 124, 52, 52, 2)
-        assert s.wasted_frac == pytest.approx(52 / 124) and s.online_wasted_frac == 0.0
+        assert (s.steps, s.tokens, s.offline_tokens, s.no_signal_tokens, s.pruned) == (
+            2, 124, 52, 0, 2)
+        assert s.no_signal_token_frac_with_offline == pytest.approx(52 / 124)
+        assert s.no_signal_token_frac == 0.0
     # the early-stopped pass ran once, in k = 2 rounds of one sample per prompt; the second
     # configuration reused it
     assert underlying.plans == [[(pid, 1) for pid in LENGTHS]] * 2
 
 
-def test_filter_exhaustion_wastes_everything_without_raising():
+def test_filter_exhaustion_leaves_no_signal_without_raising():
     # only p0 and p1 (never any contrast); filter: request round(2 * 1.5) = 3 groups, drop all,
     # one refill of 3 more -> 6 groups = 3 epochs of (2 * 3 + 2 * 5) = 16 tokens = 48 tokens,
-    # then 2 dropped groups pad the batch. Budget 48 -> one step, all wasted.
+    # then 2 dropped groups pad the batch. Budget 48 -> one step, no signal at all.
     c = _config("online_filter")
     c.online_filter.max_refill_rounds = 1
     s = _spend(c, 48, prompts=PROMPTS[:2])
-    assert (s.steps, s.tokens, s.wasted_tokens, s.groups) == (1, 48, 48, 6)
+    assert (s.steps, s.tokens, s.no_signal_tokens, s.groups) == (1, 48, 48, 6)
     assert (s.trained_groups, s.signal_groups, s.refill_exhausted) == (2, 0, 1)
 
 
 def test_stops_when_stage_0_prunes_every_prompt():
     s = _spend(_config("offline"), 1000, prompts=PROMPTS[:2])  # offline 2 * (3 + 5) = 16
-    assert (s.steps, s.tokens, s.wasted_tokens) == (0, 16, 16)
+    assert (s.steps, s.tokens, s.no_signal_tokens, s.offline_tokens) == (0, 16, 0, 16)
+    assert s.no_signal_token_frac_with_offline == 1.0
     assert s.stopped == "stage 0 pruned all 2 prompts"
     assert "(stage 0 pruned all 2 prompts)" in bench.table({"+0 offline prune": s})
+
+
+def test_a_budget_the_offline_pass_spends_alone_is_said_to_be_too_small():
+    # Stage 0's pass costs 52 tokens (offline test above): a budget of 40 leaves its
+    # configuration no step, a table row of dashes; plain GRPO steps twice (an epoch, 52).
+    results = {"plain GRPO": _spend(_config(), 40), "+0 offline prune": _spend(
+        _config("offline"), 40, offline=bench.numbered(lambda i, plan: ScriptedPolicy()(plan)))}
+    assert (results["plain GRPO"].steps, results["+0 offline prune"].steps) == (2, 0)
+    row = [c.strip() for c in bench.table(results).splitlines()[-1].split("|")]
+    assert row.count("-") == 3  # ZV rates generated and trained, zero-adv. trained tokens
+    warning = bench.budget_warning(results, 40)
+    assert warning.startswith("warning: --budget 40 tokens is too small to compare the stages: "
+                              "1 of 2 configurations ran no RL step (+0 offline prune)")
+    assert "offline pass (52 tokens)" in warning
+    assert bench.budget_warning({k: _spend(c, 104) for k, c in (
+        ("plain GRPO", _config()), ("+0 offline prune", _config("offline")))}, 104) is None
+
+
+def test_stored_figures_are_read_under_the_current_names():
+    """A configuration of experiments/results/zve_bench.json (written before the names of
+    `espo_jax.zve.accounting`): its `wasted_tokens` counted the offline pass's too."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "results",
+                        "zve_bench.json")
+    with open(path) as f:
+        stored = json.load(f)["configurations"]["+0 offline prune"]
+    c = bench.current_figures(stored)
+    assert c["no_signal_tokens"] == stored["wasted_tokens"] - stored["offline_tokens"]
+    assert c["trained_zero_adv_tokens"] == stored["trained_no_grad_tokens"]
+    s = bench.Spend(**{k: c[k] for k in bench.Spend.__dataclass_fields__})
+    assert s.no_signal_token_frac_with_offline == pytest.approx(stored["wasted_frac"])
+    assert s.no_signal_token_frac == pytest.approx(stored["online_wasted_frac"])
 
 
 def test_bad_budget_is_an_error():
@@ -183,3 +220,76 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
                                groups_per_step=3, max_len=6)
     assert dataclasses.replace(again, wall_s=0.0) == dataclasses.replace(s, wall_s=0.0)
     assert dataclasses.replace(fresh, wall_s=0.0) == dataclasses.replace(s, wall_s=0.0)
+
+
+def _save_policy(directory, config, step):
+    """A random policy of `config`'s model saved as a train state at `step` under `directory`."""
+    import functools
+
+    from espo_jax import run_setup
+    from espo_jax.train import state as state_lib
+    from espo_jax.train.checkpoint import Checkpointer
+
+    params = jax.jit(functools.partial(init_params, run_setup.model_architecture(config)))(
+        jax.random.key(0))
+    ckpt = Checkpointer(str(directory), async_save=False)
+    ckpt.save(step, state_lib.create_train_state(
+        params, state_lib.make_optimizer(config.optim, total_steps=10), jax.random.key(1)), {})
+    ckpt.close()
+
+
+def _bench_zve(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "espo_jax.bench", "zve", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_quick_mode_refuses_a_checkpoint_of_the_full_model_naming_both(tmp_path):
+    """`bench zve --quick --init_from RUN` with RUN a run of experiments/arith_espo.py (the
+    `small` model): one message naming both models, before anything runs; the full mode
+    refuses the quick mode's `tiny` checkpoint the same way."""
+    from espo_jax import cli_errors
+
+    full, quick = bench.bench_config(False, None, None), bench.bench_config(True, None, None)
+    assert (full.model.preset, quick.model.preset) == ("small", "tiny")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)  # a warm-start-only run: RL saved nothing
+    _save_policy(run / "warmstart", full, 0)
+    proc = _bench_zve("--quick", f"--init_from={run}")
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[0] == (
+        f"error: --init_from {run}: {run}/warmstart/0 is a checkpoint of the `small` model "
+        "(experiments/arith_espo.py, the one `bench zve` uses), but `bench zve --quick` uses the "
+        "`tiny` model (experiments/arith_espo.py:small); leave out --quick, or give the WORKDIR "
+        "of a run of experiments/arith_espo.py:small")
+    # The quick model's checkpoint, given to the full mode.
+    tiny_run = tmp_path / "tiny_run"
+    _save_policy(tiny_run / "checkpoints", quick, 3)
+    with pytest.raises(cli_errors.CommandLineError,
+                       match=r"checkpoints/3 is a checkpoint of the `tiny` model .* but `bench "
+                             r"zve` uses the `small` model .*; add --quick"):
+        bench.check_init_from(False, bench.bench_config(False, None, str(tiny_run)),
+                              str(tiny_run))
+
+
+@pytest.mark.slow
+def test_a_budget_too_small_for_the_offline_pass_is_said_end_to_end(tmp_path):
+    """`bench zve --quick --init_from RUN --budget 200` (RUN: the quick model's checkpoint):
+    the run completes, and the configurations that ran no step (stage 0's pass spent the
+    budget) are named in a warning after the table and in the figures."""
+    import json
+
+    _save_policy(tmp_path / "run" / "checkpoints", bench.bench_config(True, None, None), 3)
+    out = tmp_path / "zve.json"
+    proc = _bench_zve("--quick", f"--init_from={tmp_path / 'run'}", "--budget=200",
+                      f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    idle = [k for k, c in figures["configurations"].items() if c["steps"] == 0]
+    assert idle and "plain GRPO" not in idle  # plain GRPO has no offline pass: it steps
+    warning = figures["warning"]
+    assert warning in proc.stdout.splitlines()
+    assert warning.startswith(f"warning: --budget 200 tokens is too small to compare the stages: "
+                              f"{len(idle)} of 8 configurations ran no RL step ({', '.join(idle)})")

@@ -239,7 +239,8 @@ def test_truncated_shard_and_foreign_record_reported(tmp_path):
     assert out.returncode == 1, out.stderr  # errors found
     assert "5 decodable groups in 3 shards from 2 writer sessions" in out.stdout
     assert f"{name} record 1: not a rollout record" in out.stdout
-    assert "staleness against policy version 0: 0: 5 groups" in out.stdout
+    assert "age of these groups against policy version 0 (its version minus theirs; not the " \
+        "staleness at consumption" in out.stdout and "consumed.jsonl): 0: 5 groups" in out.stdout
 
 
 def test_bad_arguments_are_named(tmp_path):

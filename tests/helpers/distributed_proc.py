@@ -50,6 +50,7 @@ def make_config():
     c.mesh.data, c.mesh.expert = 2, 4
     c.optim.lr, c.optim.warmup_steps = 1e-2, 0  # large steps: parameters visibly move
     c.train.steps = 2
+    c.rollout.max_prompt_len = 32  # no task sizes it here (run_setup.build does in a run)
     return c
 
 

@@ -41,3 +41,28 @@ def decode_until_zero(ids):
 def always_fails(text, answer):
     """A reward function broken for every response (the run must stop, not train on zeros)."""
     raise RuntimeError("the reward service is down")
+
+
+class SlowToLoad:
+    """A reward whose scorer takes `load_s` to load on first use (like an import), then is
+    instant; `warmup()` loads it before the worker takes work unless `warm` is False."""
+
+    def __init__(self, load_s: float, warm: bool = True, fail_warmup: bool = False):
+        self.load_s, self.warm, self.fail_warmup = load_s, warm, fail_warmup
+        self.loaded = False
+        if not warm:
+            self.warmup = None  # no warmup: the pool must not find one
+
+    def _load(self):
+        if not self.loaded:
+            time.sleep(self.load_s)
+            self.loaded = True
+
+    def warmup(self):
+        if self.fail_warmup:
+            raise OSError("scorer file missing")
+        self._load()
+
+    def __call__(self, text, answer):
+        self._load()
+        return text == answer

@@ -133,3 +133,36 @@ def test_a_worker_whose_pool_closed_before_it_started_ends_quietly():
     parent, child = multiprocessing.Pipe(duplex=True)
     parent.close()
     assert pool_lib._serve(child, exact_match, None) is None
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+def test_warmup_runs_before_work_and_is_not_timed(backend):
+    """A scorer that takes 1.5 s to load, under a 0.75 s timeout: with `warmup()` every response
+    is scored; without it the first response times out, and with processes its replacement,
+    loading again, too: the reason warmup exists (threads share the object, so the abandoned
+    thread's load finishes for the next one)."""
+    from helpers.reward_pool_fns import SlowToLoad
+
+    for warm in (True, False):
+        with pool_lib.RewardPool(SlowToLoad(1.5, warm=warm), num_workers=1, timeout_s=0.75,
+                                 backend=backend) as p:
+            for i, text in enumerate(["a", "b", "a"]):
+                p.submit("g", i, text, "a")
+            out = p.wait_group("g", 3, timeout=60)
+        if warm:
+            assert [(r.outcome, r.failed) for r in out] == [(True, False), (False, False),
+                                                            (True, False)]
+        elif backend == "process":
+            assert all(r.timed_out for r in out)
+        else:
+            assert out[0].timed_out
+
+
+def test_a_failing_warmup_fails_that_workers_responses_with_its_error():
+    from helpers.reward_pool_fns import SlowToLoad
+
+    with pool_lib.RewardPool(SlowToLoad(0.0, fail_warmup=True), num_workers=1,
+                             timeout_s=5.0) as p:
+        p.submit("g", 0, "a", "a")
+        (r,) = p.wait_group("g", 1, timeout=60)
+    assert r.failed and not r.timed_out and "warmup OSError: scorer file missing" in r.error

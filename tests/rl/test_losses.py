@@ -250,7 +250,7 @@ def test_metric_names_are_flat_namespaced_scalars(loss):
 @pytest.mark.parametrize(
     "key,value,match",
     [
-        ("name", "ppo", "name='ppo' is not one of"),
+        ("name", "ppo", r"loss 'ppo' is not registered; registered: \['dapo', 'espo'"),
         ("aggregation", "mean", "aggregation='mean'"),
         ("kl_estimator", "k4", "kl_estimator"),
         ("tis", "tokens", r"\['off', 'token', 'sequence'\]"),
@@ -295,7 +295,12 @@ def test_missing_inputs_are_named():
 
 
 def test_policy_loss_rejects_names_it_would_branch_on():
-    for key, value in (("name", "ppo"), ("kl_estimator", "k4"), ("tis", "tokens"),
+    cfg = _cfg("grpo")
+    cfg.name = "ppo"  # the registered names, and how to register one
+    with pytest.raises(ValueError, match=r"'ppo' is not registered.*@espo_jax\.rl\.losses\."
+                       r"register\(NAME, aggregation=\.\.\.\).*--config\.imports=MODULE"):
+        losses.policy_loss(LOGP, OLD, ADV, MASK, cfg)
+    for key, value in (("kl_estimator", "k4"), ("tis", "tokens"),
                        ("espo_token_ratio", "pi_old")):
         cfg = _cfg("grpo")
         cfg[key] = value
@@ -319,7 +324,7 @@ def test_paper_configs_and_registry():
     assert loss_config.paper_loss_config("gspo").clip_low == 3e-4
     for name in losses.LOSSES:
         loss_config.validate_loss_config(loss_config.paper_loss_config(name))
-    with pytest.raises(ValueError, match="unknown loss"):
+    with pytest.raises(ValueError, match="loss 'ppo' is not registered"):
         loss_config.paper_loss_config("ppo")
 
 
@@ -429,3 +434,26 @@ def test_kl_clamp_by_hand(run_loss):
         loss, met, _ = run_loss(cfg, logp, logp, 0 * one, one, ref_logp=ref)
         assert met["kl/mean"] == pytest.approx(want, rel=1e-5)
         assert loss == pytest.approx(0.5 * want, rel=1e-5)
+
+
+def test_register_adds_a_loss_and_refuses_a_taken_name():
+    def reinforce(logp, old_logp, advantages, mask, config, *, entropy=None):
+        ratio = jnp.exp(jnp.where(mask > 0, logp - old_logp, 0.0))
+        return losses.Surrogate(objective=ratio * advantages * mask, ratio=ratio,
+                                lower=jnp.zeros_like(ratio), upper=jnp.full_like(ratio, jnp.inf),
+                                group_weights=None, metrics={})
+
+    try:
+        assert losses.register("reinforce", aggregation="token_mean")(reinforce) is reinforce
+        assert losses.LOSSES["reinforce"] == losses.LossSpec(reinforce, "token_mean", {})
+        losses.register("reinforce", aggregation="token_mean")(reinforce)  # a re-import: fine
+        cfg = loss_config.paper_loss_config("reinforce")
+        loss, _ = losses.policy_loss(jnp.asarray(LOGP), OLD, ADV, MASK, cfg)
+        # Same surrogate as the test above, token mean: -(0.7 + 1.1 + 1.3 - 0.7 - 1.1) / 5.
+        assert float(loss) == pytest.approx(-0.26, abs=1e-6)
+        with pytest.raises(ValueError, match=r"loss 'grpo' is already registered \(espo_jax\.rl"
+                           r"\.losses\.grpo\); choose another name"):
+            losses.register("grpo", aggregation="token_mean")(reinforce)
+        assert losses.LOSSES["grpo"].fn is losses.grpo
+    finally:
+        losses.LOSSES.pop("reinforce", None)

@@ -95,6 +95,7 @@ def test_config_validation():
 
 def test_worker_config_from_the_experiment_config():
     c = configs.apply_small(configs.default_config())
+    c.rollout.max_prompt_len = 32  # main_from_config sizes a 0 from the task's prompts first
     wc = vllm_cli.worker_config(c, (2,), seed=7)
     assert (wc.quantization, wc.capture_routing, wc.sampler, wc.seed) == ("fp8", True,
                                                                          "vllm-fp8", 7)

@@ -42,6 +42,11 @@ def test_reward_function_failing_everywhere_stops_the_run_after_a_checkpoint(tmp
     assert m["train/masked_failed_responses"] == m["zve/rollouts_generated"]
     assert m["pg/loss"] == 0.0
     assert m["lengths/trained_p90"] == m["lengths/generated_p90"] > 0
+    # The step's samples say so too: every chosen response an "error", none trained on.
+    rows = read_jsonl(str(tmp_path / "samples.jsonl"))
+    assert len(rows) == config.log.samples_per_step * config.zve.n_samples
+    assert {(r["step"], r["outcome"], r["reward"], r["advantage"]) for r in rows} == {
+        (1, "error", 0.0, 0.0)}
 
 
 def test_failed_reward_calls_survive_the_record_round_trip():

@@ -21,6 +21,7 @@ def _learner(rules=None):
     c.loss = paper_loss_config("espo")
     c.loss.vocab_size = 128
     c.rollout.prompts_per_step, c.zve.n_samples = 2, 2
+    c.rollout.max_prompt_len = 32  # no task sizes it here (run_setup.build does in a run)
     c.mesh.data = 2
     if rules is not None:
         c.mesh.rules = rules

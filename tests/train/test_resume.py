@@ -128,12 +128,12 @@ def test_sigkill_mid_rl_then_rerun_is_bitwise_equal_to_uninterrupted(tmp_path):
         np.testing.assert_array_equal(a, b)  # bitwise (NaN-free)
     assert int(step1) == int(step2) and int(skip1) == int(skip2)
     # Host-side state matches too: prompt scheduler, length predictor, token counters.
-    for key in ("rl_step", "zve", "predictor", "generated_tokens", "wasted_tokens",
+    for key in ("rl_step", "zve", "predictor", "generated_tokens", "no_signal_tokens",
                 "offline_tokens", "mismatch_sum"):
         assert meta1[key] == meta2[key], key
     s1 = json.loads((killed_dir / "summary.json").read_text())
     s2 = json.loads((clean_dir / "summary.json").read_text())
-    for key in ("final_accuracy", "steps", "generated_tokens", "wasted_token_fraction",
+    for key in ("final_accuracy", "steps", "generated_tokens", "no_signal_token_frac_with_offline",
                 "mean_abs_logp_mismatch", "final"):
         assert s1[key] == s2[key], key
     # The last RL step did move the parameters (otherwise equality would prove little).

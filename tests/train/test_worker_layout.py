@@ -173,6 +173,31 @@ def test_flow_control_bounds_how_far_workers_run_ahead(tmp_path):
         for worker, prompt_id, version in groups:
             assert 0 <= (step - 1) - version <= staleness, (step, worker, prompt_id, version)
 
+    # samples.jsonl: the first log.samples_per_step groups the learner read for each step,
+    # as text (consumed.jsonl lists the same groups in the same order).
+    k = c.log.samples_per_step
+    rows = _jsonl(workdir / "samples.jsonl")
+    assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
+    for step, groups in consumed.items():
+        mine = [r for r in rows if r["step"] == step]
+        firsts = [r for r in mine if r["sample"] == 0]
+        assert [(r["group"], r["prompt_id"], r["policy_version"]) for r in firsts] == [
+            (g, pid, version) for g, (_, pid, version) in enumerate(groups[:k])]
+        assert all(r["prompt"] and r["outcome"] in ("correct", "wrong") for r in mine), mine
+        assert all(isinstance(r["reward"], float) and r["advantage"] is not None for r in mine)
+    # buffer inspect: staleness at consumption as consumed.jsonl gives it, within the bound.
+    at_read = collections.Counter((step - 1) - version for step, groups in consumed.items()
+                                  for _, _, version in groups)
+    out = subprocess.run([sys.executable, "-m", "espo_jax.buffer", "inspect",
+                          workdir / "buffer"], capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert out.returncode == 0, out.stderr
+    histogram = ", ".join(f"{lag}: {n} groups" for lag, n in sorted(at_read.items()))
+    assert (f"train.max_staleness bounds it): {histogram}\n") in out.stdout, out.stdout
+    assert (f"consumed: the learner read {sum(at_read.values())} groups in RL steps 1..{steps}"
+            in out.stdout), out.stdout
+    assert "unless --config.buffer.keep_consumed=True" in out.stdout
+
     # MS-ZVE's worker-side stages (0, 1, 5) reach the learner's metrics.
     rl = [r for r in _rl_rows(workdir) if "async/staleness_max" in r]
     assert [r["step"] for r in rl] == list(range(1, steps + 1))

@@ -47,17 +47,17 @@ def _run(cfg, steps=30, groups_per_step=4):
     with warnings.catch_warnings():  # refill exhaustion is expected with 5 informative prompts
         warnings.simplefilter("ignore", RuntimeWarning)
         history = [zve.step(groups_per_step, policy) for _ in range(steps)]
-    wasted = sum(m["zve/wasted_tokens"] for _, m in history)
+    no_signal = sum(m["zve/no_signal_tokens"] for _, m in history)
     tokens = sum(m["zve/tokens_generated"] for _, m in history)
-    return zve, pruned, offline, history, wasted / tokens
+    return zve, pruned, offline, history, no_signal / tokens
 
 
 def test_plain_grpo_wastes_what_the_pass_rates_predict():
-    _, pruned, offline, history, wasted_frac = _run(default_zve_config())
+    _, pruned, offline, history, no_signal_frac = _run(default_zve_config())
     assert pruned == [] and offline == {}
     assert all(len(batch) == 4 for batch, _ in history)
     # 120 groups; expected zero-variance share .752 (module comment), binomial sd ~ .04
-    assert 0.62 < wasted_frac < 0.88
+    assert 0.62 < no_signal_frac < 0.88
     assert all(np.all(g.rewards == g.outcomes) for b, _ in history for g in b)
 
 
@@ -70,7 +70,7 @@ def _all_stages(zvp):
 
 
 def test_all_stages_but_rl_zvp_cut_the_waste():
-    zve, pruned, offline, history, wasted_frac = _run(_all_stages(zvp=False))
+    zve, pruned, offline, history, no_signal_frac = _run(_all_stages(zvp=False))
     # stage 0 prunes exactly the 15 settled prompts (k = 8 samples of rate 0 or 1)
     assert sorted(pruned) == sorted(f"q{i}" for i in range(15))
     # early stop: the 15 settled prompts take all 8 samples; a coin-flip prompt stops at its
@@ -88,18 +88,18 @@ def test_all_stages_but_rl_zvp_cut_the_waste():
     assert history[-1][1]["zve/refill_exhausted"] == sum(
         m["zve/filter_padded"] > 0 for _, m in history)
     # left: the filter's surplus and the re-probes of pruned prompts, versus ~.75 for plain GRPO
-    assert wasted_frac < 0.1
+    assert no_signal_frac < 0.1
     assert all(g.rewards.dtype == np.float32 for b, _ in history for g in b)
 
 
 def test_with_rl_zvp_the_filter_drops_nothing():
     # RL-ZVP gives zero-variance groups an advantage, so the filter keeps them: one generation
     # round per step, every group trained on, and no generated token without signal
-    _, pruned, _, history, wasted_frac = _run(_all_stages(zvp=True))
+    _, pruned, _, history, no_signal_frac = _run(_all_stages(zvp=True))
     assert len(pruned) == 15
     assert all(m["zve/refill_rounds"] == 0 and m["zve/filter_padded"] == 0 for _, m in history)
     assert all(m["zve/groups_generated"] == len(b) == 4 for b, m in history)
-    assert wasted_frac == 0.0
+    assert no_signal_frac == 0.0
     # the re-probes of pruned prompts (stage 5) bring zero-variance groups into the batch
     assert sum(m["zve/zero_variance_frac_before"] for _, m in history) > 0
 
