@@ -22,6 +22,24 @@ active per token (embeddings included; `ModelConfig.param_count`). Logits of ran
 models within 1e-4 of transformers 5.24 (tests/models/test_qwen3_next.py). A linear layer's
 decode cache is 2,146,304 bytes per slot whatever the length (bf16 conv windows, fp32 state;
 `gated_deltanet`), against 4 KiB per token for a full-attention layer's bf16 keys and values.
+Per device on the 16-device learner mesh (fsdp 2 x expert 8; `espo_jax.bench.memory_plan`,
+tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-12-05):
+  - parameters (bf16): 6,476,047,616 bytes (6.03 GiB): experts / 16, the rest / 2; norms, conv
+    kernels, A_log and dt_bias whole
+  - AdamW state (two bf16 moments): 12,952,095,240 bytes (12.06 GiB)
+  - temporaries of one micro-batch's gradient (one 16k row per batch shard, remat, attention
+    chunks of 1024, Gated DeltaNet chunks of 64, logits in chunks of 512), CPU XLA's buffer
+    assignment: the slices "linear + full layer" and "2 linear + full layer" compiled,
+    368,059,066,960 and 388,147,579,448 bytes; scaled to 40 layers at the difference per
+    layer (18.7 GiB, where remat keeps a 64 MiB layer input): 1,131,422,541,504 bytes
+    (1.03 TiB). This does NOT fit, for two reasons. The MoE dispatch is most of a slice (as
+    for DeepSeek-V3, experiments/deepseek_v3.py: the unpartitioned global sort, CPU XLA's
+    expanded `lax.ragged_dot`): with dense MLPs of 512 in place of the MoE blocks the slices
+    compile to 25,438,027,448 and 42,634,442,768 bytes (measured once, not held by the test).
+    But the per-layer increment stays (17,196,415,320 bytes with dense MLPs, about 1 MiB per
+    token): a Gated DeltaNet layer's gradient keeps far more than its input across layers
+    under remat, presumably the chunked rule's float32 [H, N, C, Dk] and [H, N, C, C] tensors;
+    not explained further here, and a usable figure needs that fixed and a per-shard dispatch.
 
 Laptop-size variant (tiny random Qwen3.5-MoE: linear and full layers, grouped value heads,
 chunks of 8; arithmetic, JAX engine, sync loop, packed rows sharing prompts; what the tests

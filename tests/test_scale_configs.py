@@ -1,5 +1,6 @@
-"""The real-scale DeepSeek-V3 and GLM-4.5-Air experiments: their presets are what
-`hf_deepseek.config_from_hf` makes of the published config.json, their parameter counts match
+"""The real-scale DeepSeek-V3, GLM-4.5-Air and Qwen3.5-35B-A3B experiments: the first two's
+presets are what `hf_deepseek.config_from_hf` makes of the published config.json, their
+parameter counts match
 the published totals, their weights fit their meshes, and the per-device memory their
 docstrings state is recomputed (parameters and AdamW state exactly from abstract arrays; the
 gradient's temporaries by compiling two slices in a subprocess with the docstring's device
@@ -25,7 +26,8 @@ from espo_jax.run_setup import preset_model_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The docstrings' figures: devices, (fsdp, expert), parameters, active, bytes per device of
-# parameters and AdamW state, and the compiled temporaries of the slices and the whole model.
+# parameters and AdamW state, and the compiled temporaries of the slices and the whole model
+# (the preset: the experiment's name unless given).
 FIGURES = {
     "deepseek_v3": dict(devices=256, mesh=(32, 8), total=671_026_419_200,
                         active=37_552_297_472, params=6_180_524_032, optimizer=12_361_048_072,
@@ -35,7 +37,15 @@ FIGURES = {
                       params=6_680_304_128, optimizer=13_360_608_264,
                       slice_1=20_215_752_379_648, slice_2=20_545_221_711_472,
                       model=34_712_402_979_904),
+    "qwen35_moe": dict(preset="qwen35_35b_a3b", devices=16, mesh=(2, 8), total=34_660_610_688,
+                       active=3_454_988_928, params=6_476_047_616, optimizer=12_952_095_240,
+                       slice_1=368_059_066_960, slice_2=388_147_579_448,
+                       model=1_131_422_541_504),
 }
+
+
+def _preset(name: str) -> str:
+    return FIGURES[name].get("preset", name)
 
 
 def _fmt(n: int) -> str:
@@ -53,10 +63,11 @@ def test_full_config_validates_on_its_mesh(name):
     c = configs.experiment_config(name)
     config_validation.validate(c, n_devices=f["devices"], check_paths=False)
     assert (c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor) == (1, *f["mesh"], 1)
-    # 128 prompts x 8 = 1024 rows, 4 updates of 256, over data x fsdp = 32: 8 micro-batches
-    assert c.train.micro_batches == 8 and c.train.replay == "r3"
+    # 128 prompts x 8 = 1024 rows, 4 updates of 256, one row per data x fsdp shard each
+    # micro-batch (DeepSeek-V3's and GLM's 32 shards: 8 micro-batches)
+    assert c.train.micro_batches == 256 // f["mesh"][0] and c.train.replay == "r3"
     assert c.rollout.max_prompt_len + c.rollout.max_new_tokens == 16384
-    assert c.model.preset == name and preset_model_config(c).remat
+    assert c.model.preset == _preset(name) and preset_model_config(c).remat
     with pytest.raises(ValueError, match="is not divisible by expert=3"):
         configs.experiment_config(name, "expert=3")
 
@@ -77,13 +88,15 @@ def test_presets_are_the_published_config_json():
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_parameter_counts_match_the_published_totals(name):
     f = FIGURES[name]
-    c = get_preset(name)
+    c = get_preset(_preset(name))
     assert (c.param_count(), c.param_count(active=True)) == (f["total"], f["active"])
     shapes = jax.eval_shape(lambda: init_params(c, jax.random.key(0)))
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)) == f["total"]
     embeddings = 2 * c.vocab_size * c.d_model
     if name == "deepseek_v3":  # 671B total, 37B active (embeddings counted)
         assert abs(f["total"] / 671e9 - 1) < 0.001 and abs(f["active"] / 37e9 - 1) < 0.02
+    elif name == "qwen35_moe":  # 35B total (the text model), 3B active ("A3B")
+        assert abs(f["total"] / 35e9 - 1) < 0.01 and 3e9 < f["active"] < 3.5e9
     else:  # 106B total, 12B active (embeddings not counted)
         assert abs(f["total"] / 106e9 - 1) < 0.01
         assert abs((f["active"] - embeddings) / 12e9 - 1) < 0.02
@@ -117,16 +130,24 @@ def test_mla_and_shared_expert_shardings():
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_state_bytes_per_device(name):
     f = FIGURES[name]
-    c = get_preset(name)
+    c = get_preset(_preset(name))
     got = memory_plan.state_bytes(c, _abstract_mesh(*f["mesh"]))
     assert (got["params"], got["optimizer"]) == (f["params"], f["optimizer"])
     # By hand: bf16 weights split over fsdp (experts also over expert), the RMSNorm scales,
-    # GLM's q/k/v biases (heads -> tensor = 1) and the fp32 correction biases whole.
+    # GLM's q/k/v biases (heads -> tensor = 1) and the fp32 correction biases whole; Qwen3.5's
+    # q/k norms, and its Gated DeltaNet layers' conv kernels, A_log, dt_bias and output norm.
     d, m = c.d_model, c.n_moe_layers
-    biases = m * c.n_experts
+    biases = m * c.n_experts if c.router == "sigmoid_group" else 0
     experts = m * c.n_experts * 3 * d * c.d_expert
     norms = c.n_layers * 2 * d + d
-    if c.attention == "mla":
+    if c.linear_layers:
+        n_lin = len(c.linear_layers)
+        qk = c.linear_n_key_heads * c.linear_key_head_dim
+        v = c.linear_n_value_heads * c.linear_value_head_dim
+        whole = norms + (c.n_layers - n_lin) * 2 * c.head_dim + n_lin * (
+            c.linear_conv_kernel * (2 * qk + v) + 2 * c.linear_n_value_heads
+            + c.linear_value_head_dim)
+    elif c.attention == "mla":
         norms += c.n_layers * (c.q_lora_rank + c.kv_lora_rank)
         whole = norms
     else:
@@ -157,13 +178,14 @@ def test_compiled_temporaries(name):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={f['devices']}")
     out = subprocess.run(
-        [sys.executable, "-m", "espo_jax.bench.memory_plan", name, str(f["devices"]),
+        [sys.executable, "-m", "espo_jax.bench.memory_plan", _preset(name), str(f["devices"]),
          *map(str, f["mesh"]), "16384"], env=env, cwd=REPO, capture_output=True, text=True,
         timeout=900, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert (got["params"], got["optimizer"]) == (f["params"], f["optimizer"])
     for key in ("slice_1", "slice_2", "model"):
         assert got[key] == pytest.approx(f[key], rel=0.01), key
-    n_slice = min(get_preset(name).first_k_dense, 1) + 1
-    assert got["model"] == got["slice_1"] + (get_preset(name).n_layers - n_slice) * (
+    c = get_preset(_preset(name))
+    n_slice = memory_plan.slices(c)[0].n_layers
+    assert got["model"] == got["slice_1"] + (c.n_layers - n_slice) * (
         got["slice_2"] - got["slice_1"])

@@ -8,7 +8,8 @@
   takes too long on a few CPU cores, so a slice is compiled twice (the first dense layer + 1 and
   + 2 MoE layers) and the whole model's figure is the 1-MoE slice plus the per-layer difference
   times the layers left (with layer remat every layer keeps only its input: the same increment
-  for dense and MoE layers).
+  for dense and MoE layers). A hybrid model's slices are a linear + a full-attention layer and
+  two linear + a full one (`slices`).
 
     python -m espo_jax.bench.memory_plan deepseek_v3 256 32 8 16384   # preset devices fsdp expert T
 """
@@ -83,13 +84,28 @@ def _grad_temp_bytes(config: ModelConfig, mesh, rules, rows: int, seq_len: int,
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
+def slices(config: ModelConfig) -> tuple[ModelConfig, ModelConfig]:
+    """The two compiled slices: the first dense layer (if any) + 1 and + 2 MoE layers; for a
+    hybrid model (Gated DeltaNet and full-attention layers) a linear + a full layer, and two
+    linear + a full layer (the per-layer difference is then a linear layer's: with remat the
+    same saved input as a full layer's)."""
+    dense = min(config.first_k_dense, 1)
+    if not config.linear_layers:
+        return tuple(config.replace(n_layers=dense + m, first_k_dense=dense) for m in (1, 2))
+    if len(config.linear_layers) == config.n_layers:
+        raise ValueError("memory_plan slices a hybrid model: it needs a full_attention layer")
+    return tuple(config.replace(
+        n_layers=dense + m + 1, first_k_dense=dense,
+        layer_types=("full_attention",) * dense + ("linear_attention",) * m + ("full_attention",))
+        for m in (1, 2))
+
+
 def temp_bytes(config: ModelConfig, mesh, rules=sharding.DEFAULT_RULES, *, seq_len: int,
                chunk: int = 512) -> dict[str, int]:
     """Per-device temporaries of one micro-batch's gradient (one `seq_len` row per batch
     shard), scaled from two compiled slices (module docstring)."""
     rows = math.prod(mesh.shape[a] for a in nn.logical_to_mesh_axes(("batch",), rules)[0] or ())
-    dense = min(config.first_k_dense, 1)
-    one, two = (config.replace(n_layers=dense + m, first_k_dense=dense) for m in (1, 2))
+    one, two = slices(config)
     t1 = _grad_temp_bytes(one, mesh, rules, rows, seq_len, chunk)
     t2 = _grad_temp_bytes(two, mesh, rules, rows, seq_len, chunk)
     per_layer = t2 - t1

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-NAMES = "model, buffer, engine, zve, attention, peers, packing, profile, device_check"
+NAMES = ("model, buffer, engine, zve, attention, peers, packing, profile, device_check, "
+         "linear_decode")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -73,3 +74,32 @@ def test_packing_quick_same_loss_fewer_slots(tmp_path):
         assert 0 < f[name]["of_peak"] < 1
         assert f[name]["model_flops"] == pytest.approx(
             f[name]["of_peak"] * f[name]["update_s"] * f["peak_matmul_flops"])
+
+
+def test_linear_decode_quick(tmp_path):
+    """`bench linear_decode --quick`: both mixers' decode steps run at both contexts; the
+    linear layer's cache read per token is its conv windows and state whatever the context,
+    the full layer's its keys and values of every cached token."""
+    out = tmp_path / "linear_decode.json"
+    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "linear_decode", "--quick",
+                           f"--out={out}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    from espo_jax.models import get_preset
+
+    f = json.loads(out.read_text())
+    c = get_preset(f["preset"])
+    assert f["preset"] == "tiny_qwen35_moe" and len(f["load_avg_1m"]) == 2
+    n = 4 if c.dtype == "float32" else 2  # bytes per cached number
+    hk, dk = c.linear_n_key_heads, c.linear_key_head_dim
+    hv, dv = c.linear_n_value_heads, c.linear_value_head_dim
+    linear = (c.linear_conv_kernel - 1) * (2 * hk * dk + hv * dv) * n + 4 * hv * dk * dv
+    assert [r["context"] for r in f["rows"]] == [64, 512]
+    for r in f["rows"]:
+        assert r["linear_cache_bytes_per_token"] == linear
+        assert r["full_cache_bytes_per_token"] == r["context"] * 2 * c.n_kv_heads * c.head_dim * n
+        for kind in ("linear", "full"):
+            assert 0 < r[f"{kind}_step_s"] < 10
+            assert r[f"{kind}_s_per_token"] == pytest.approx(r[f"{kind}_step_s"] / r["slots"])
+        assert r["full_over_linear_time"] == pytest.approx(r["full_step_s"] / r["linear_step_s"])
