@@ -37,9 +37,11 @@ tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-
     expanded `lax.ragged_dot`): with dense MLPs of 512 in place of the MoE blocks the slices
     compile to 25,438,027,448 and 42,634,442,768 bytes (measured once, not held by the test).
     But the per-layer increment stays (17,196,415,320 bytes with dense MLPs, about 1 MiB per
-    token): a Gated DeltaNet layer's gradient keeps far more than its input across layers
-    under remat, presumably the chunked rule's float32 [H, N, C, Dk] and [H, N, C, C] tensors;
-    not explained further here, and a usable figure needs that fixed and a per-shard dispatch.
+    token): CPU XLA keeps far more than a layer's input across layers, with or without remat
+    (one device, dense MLPs, 4k tokens: a second full-attention layer adds 679,137,664 bytes,
+    a second Gated DeltaNet layer 4,498,950,720, its chunked rule's float32 tensors the likely
+    share). A usable figure needs that found and fixed, a per-shard dispatch, and a compile
+    for the accelerator.
 
 Laptop-size variant (tiny random Qwen3.5-MoE: linear and full layers, grouped value heads,
 chunks of 8; arithmetic, JAX engine, sync loop, packed rows sharing prompts; what the tests
