@@ -12,7 +12,8 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-NAMES = ("model", "buffer", "engine", "zve", "attention", "peers", "packing", "profile")
+NAMES = ("model", "buffer", "engine", "zve", "attention", "peers", "packing", "profile",
+         "real")
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

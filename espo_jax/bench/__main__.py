@@ -1,8 +1,8 @@
 """`python -m espo_jax.bench NAME [--quick] [--out FILE.json]`: runs one benchmark by name.
 
-NAME is one of model, buffer, engine, zve, attention, peers, packing, profile (see
+NAME is one of model, buffer, engine, zve, attention, peers, packing, profile, real (see
 `espo_jax.bench`). zve also takes `--init_from WORKDIR`, `--budget TOKENS` and `--prompts N`
-(`espo_jax.bench.zve`).
+(`espo_jax.bench.zve`); profile `--programs a,b` (`espo_jax.bench.profile.PROGRAMS`).
 """
 
 import importlib
@@ -22,7 +22,10 @@ _INIT_FROM = flags.DEFINE_string(
 _BUDGET = flags.DEFINE_integer("budget", None, "zve: generated tokens per configuration",
                                lower_bound=1)
 _PROMPTS = flags.DEFINE_integer("prompts", None, "zve: RL prompt pool size", lower_bound=1)
-OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS}}
+_PROGRAMS = flags.DEFINE_list("programs", None, "profile: the programs to profile "
+                               "(espo_jax.bench.profile.PROGRAMS)")
+OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS},
+             "profile": {"programs": _PROGRAMS}}
 
 
 def main(argv: list[str]) -> int:
