@@ -1,6 +1,6 @@
 """Profile benchmark: where a step's time goes, by model part and by kind of op.
 
-`python -m espo_jax.bench profile [--quick] [--out FILE.json]`
+`python -m espo_jax.bench profile [--quick] [--programs a,b] [--out FILE.json]`
 
 Three programs, each timed (median of untraced calls) and then traced with `jax.profiler`:
 - `train`: bench peers' train step (TRL's GRPO workload model, next-token loss + router aux
@@ -9,7 +9,10 @@ Three programs, each timed (median of untraced calls) and then traced with `jax.
   16-token prompts, temperature 1);
 - `update_small`: the learner's fused ESPO + R3 update with AdamW on the default experiment's
   shape (the `small` preset, 256 sequences packed; bench packing's sequences).
-`--quick` runs the `tiny` preset on smaller shapes (a smoke test).
+`--programs generate_smollm2,update_smollm2` profiles bench real's checkpoint instead
+(SmolLM2-135M-Instruct): the engine's generation (64 x 64 new tokens after 45-token random
+prompts, fp32) and the `Learner`'s ESPO update on bench real's RL batch shape.
+`--quick` runs the `tiny` preset (SmolLM2's first two layers) on smaller shapes (a smoke test).
 
 Every op the trace records (`hlo_op` on the XLA CPU threads, loops and conditionals counted
 through their bodies) is attributed with the op's metadata in the compiled HLO: the part of

@@ -164,13 +164,21 @@ def torch_rows(groups: list[RolloutGroup], rewards: list[np.ndarray]) -> dict:
     return {"tokens": tokens.tolist(), "mask": mask.tolist(), "advantages": adv.tolist()}
 
 
-def cpu_model() -> str | None:
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> tuple[str | None, list[str]]:
+    """The first CPU's model name in /proc/cpuinfo and which of MATMUL_FLAGS it has."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), None)
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return None
+        pass
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name"), [x for x in MATMUL_FLAGS if x in flags]
 
 
 def _measured_side(build) -> tuple[Any, float, dict]:
@@ -227,7 +235,8 @@ def run(quick: bool) -> dict:
     figures: dict[str, Any] = {
         "command": run_record.command_line(sys.argv), "commit": run_record.git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model(), "cpus": os.cpu_count(), "versions": run_record.versions(),
+        "cpu_model": cpu_model()[0], "cpu_flags": cpu_model()[1], "cpus": os.cpu_count(),
+        "versions": run_record.versions(),
         "load_average_start": os.getloadavg(), "peak_matmul_flops": peaks,
         "repeats": repeats, "block": block, "huge_pages": host_memory.huge_pages_on()}
     with tempfile.TemporaryDirectory() as tmp:

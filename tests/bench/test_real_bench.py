@@ -87,6 +87,7 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
     f = json.loads(out.read_text())
     assert f["benchmark"] == "real" and f["quick"] and f["layers"] == real.QUICK_LAYERS
     assert f["commit"] and f["date"] and f["cpu_model"] and f["versions"]["jax"]
+    assert set(f["cpu_flags"]) <= set(real.MATMUL_FLAGS)
     assert "bench real --quick" in f["command"] and len(f["load_average_start"]) == 3
     g = f["generation"]
     assert set(g["sides"]) == {"espo_fp32", "espo_bf16", "espo_fp8", "hf_float32",
