@@ -40,6 +40,7 @@ import dataclasses
 import datetime
 import gc
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -233,7 +234,8 @@ def run(quick: bool) -> dict:
     cpu_start = cpu_times()
     peer_env = host_memory.without_huge_pages(os.environ)  # the peers: glibc's defaults
     figures: dict[str, Any] = {
-        "command": run_record.command_line(sys.argv), "commit": run_record.git_commit(),
+        "command": shlex.join(["python", "-m", "espo_jax.bench", *sys.argv[1:]]),
+        "commit": run_record.git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": cpu_model()[0], "cpu_flags": cpu_model()[1], "cpus": os.cpu_count(),
         "versions": run_record.versions(),
