@@ -22,6 +22,10 @@ active per token (embeddings included; `ModelConfig.param_count`). Logits of ran
 models within 1e-4 of transformers 5.24 (tests/models/test_qwen3_next.py). A linear layer's
 decode cache is 2,146,304 bytes per slot whatever the length (bf16 conv windows, fp32 state;
 `gated_deltanet`), against 4 KiB per token for a full-attention layer's bf16 keys and values.
+Train-inference mismatch on the tiny random family (experts x4; 32 responses of 24 tokens;
+2026-12-05, 2-core AMD EPYC): a bf16 engine's mean |dlogp| 8.9e-3 without router replay, 2.1e-3
+with R3 (9.2e-2 -> 2.2e-3 at the tokens whose routing flipped); FP8 weights 2.8e-2 -> 1.2e-2
+(tests/rollout/test_engine_qwen3_next.py).
 Per device on the 16-device learner mesh (fsdp 2 x expert 8; `espo_jax.bench.memory_plan`,
 tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-12-05):
   - parameters (bf16): 6,476,047,616 bytes (6.03 GiB): experts / 16, the rest / 2; norms, conv

@@ -66,3 +66,39 @@ def test_greedy_equals_transformers_generate(tmp_path):
     cache = models.init_cache(config, 1, 32)
     per_slot = sum(x.nbytes for x in jax.tree.leaves(cache))
     assert per_slot == 2 * (4 * 3 * (16 + 16 + 24) + 4 * 4 * 8 * 6) + 4 * 2 * 2 * 16 * 32
+
+
+@pytest.mark.slow  # ~60 s: two engines' compiles and the learner's forwards
+def test_router_replay_lowers_the_mismatch_of_a_bf16_engine():
+    """The train-inference mismatch on the tiny Qwen3.5-MoE (experts x4, so that bf16 noise
+    flips routes): an fp32 engine matches the fp32 learner to rounding; a bf16 engine's
+    log-probs differ, most at the tokens whose routing flipped, and replaying the engine's
+    routing (R3) removes that part (2026-12-05, 2-core AMD EPYC: mean |dlogp| 8.9e-3 -> 2.1e-3,
+    at flips 9.2e-2 -> 2.2e-3; FP8 weights 2.8e-2 -> 1.2e-2)."""
+    from espo_jax.bench.engine import _scale_experts
+    from espo_jax.rollout import mismatch
+
+    config = models.get_preset("tiny_qwen35_moe")
+    params = jax.device_get(jax.jit(models.init_params, static_argnums=0)(config,
+                                                                          jax.random.key(0)))
+    params = _scale_experts(params, 4.0)
+    rng = np.random.default_rng(0)
+    requests = [engine_lib.Request(f"m{i}", rng.integers(0, config.vocab_size, 8).tolist())
+                for i in range(8)]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
+    got = {}
+    for precision in ("fp32", "bf16"):
+        engine = engine_lib.Engine(config, params, sampling=sampling, max_slots=16,
+                                   max_cache_len=64, precision=precision, steps_per_sync=8)
+        groups = list(engine.generate_groups(requests, n_samples=4, rng=jax.random.key(7)))
+        got[precision] = {replay: mismatch.measure_mismatch(config, params, groups, replay)
+                          for replay in (False, True)}
+    fp32, bf16 = got["fp32"], got["bf16"]
+    assert fp32[False]["mismatch/tokens"] == 8 * 4 * 24
+    assert fp32[False]["mismatch/logp_abs_mean"] < 1e-5
+    assert fp32[False]["moe/routing_flip_rate"] == 0.0
+    plain, replay = bf16[False], bf16[True]
+    assert plain["moe/routing_flip_rate"] > 0.01  # bf16 flips routes at this scale
+    assert plain["mismatch/logp_abs_mean_at_flips"] > 3 * plain["mismatch/logp_abs_mean_elsewhere"]
+    assert replay["mismatch/logp_abs_mean"] < plain["mismatch/logp_abs_mean"] / 2
+    assert replay["mismatch/logp_abs_mean_at_flips"] < plain["mismatch/logp_abs_mean_at_flips"] / 4
