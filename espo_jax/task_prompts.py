@@ -106,9 +106,9 @@ def size_prompt_len(config, task_name: str, splits: Mapping[str, Sequence[dict]]
     r = config.rollout
     if r.max_prompt_len == 0:
         r.max_prompt_len = -(-max(longest, 1) // PROMPT_LEN_MULTIPLE) * PROMPT_LEN_MULTIPLE
-        logging.info("rollout.max_prompt_len=%d: task %r's longest prompt, %s, has %d tokens "
-                     "(rounded up to a multiple of %d)", r.max_prompt_len, task_name, where,
-                     longest, PROMPT_LEN_MULTIPLE)
+        logging.info("rollout.max_prompt_len=%d from the longest prompt of task %r: %s, %d "
+                     "tokens (rounded up to a multiple of %d)", r.max_prompt_len, task_name,
+                     where, longest, PROMPT_LEN_MULTIPLE)
     elif longest > r.max_prompt_len:
         over = sum(n > r.max_prompt_len for n in lengths)
         raise ValueError(

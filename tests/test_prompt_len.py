@@ -61,8 +61,9 @@ def test_sized_from_the_longest_prompt_and_logged(tmp_path, task_module, caplog)
     # The longest: test prompt "te6", 6 spaces + "2+2=" = 10 tokens, rounded up to 12.
     assert c.rollout.max_prompt_len == 12
     sized = [r.getMessage() for r in caplog.records if "rollout.max_prompt_len=" in r.getMessage()]
-    assert sized == ["rollout.max_prompt_len=12: task 'len_task_mod:make''s longest prompt, "
-                     "test prompt 'te6', has 10 tokens (rounded up to a multiple of 4)"]
+    assert sized == ["rollout.max_prompt_len=12 from the longest prompt of task "
+                     "'len_task_mod:make': test prompt 'te6', 10 tokens (rounded up to a "
+                     "multiple of 4)"]
     # Sized once: the config now holds the limit, the next process checks against it.
     task_prompts.prompt_sources(c, str(tmp_path), TOK)
     assert c.rollout.max_prompt_len == 12
@@ -162,8 +163,8 @@ def test_readme_reasoning_gym_command_runs(tmp_path):
     failed = [r.get("reward/failed", 0) for r in rows if "reward/scored" in r]
     assert failed and not any(failed), failed
     log = open(tmp_path / "log.txt").read()
-    sized = re.search(r"rollout.max_prompt_len=(\d+): task 'reasoning_gym:basic_arithmetic''s "
-                      r"longest prompt, \w+ prompt '[^']+', has (\d+) tokens", log)
+    sized = re.search(r"rollout.max_prompt_len=(\d+) from the longest prompt of task "
+                      r"'reasoning_gym:basic_arithmetic': \w+ prompt '[^']+', (\d+) tokens", log)
     assert sized, log[-2000:]
     limit, longest = int(sized.group(1)), int(sized.group(2))
     assert longest > 400 and limit == -(-longest // 4) * 4
