@@ -312,11 +312,8 @@ def learner_program(config: ModelConfig, params: dict, quick: bool):
     """The `Learner`'s update (ESPO, fused, AdamW) on bench real's RL batch shape, random
     prompts and responses (behaviour log-probs near -3, half of each group rewarded);
     `modules` is a callable: the learner compiles its programs on the first call."""
-    from espo_jax import sharding
     from espo_jax.bench import real
     from espo_jax.buffer.records import Response, RolloutGroup
-    from espo_jax.train import state as state_lib
-    from espo_jax.train.learner import Learner
 
     n_prompts, samples, new, _ = real.rl_shape(quick)
     prompt_len = 16 if quick else 45  # bench real's chat prompts: 45 tokens
@@ -334,15 +331,7 @@ def learner_program(config: ModelConfig, params: dict, quick: bool):
                                 logprobs=rng.normal(-3.0, 0.3, new).astype(np.float32),
                                 routed_experts=None, finish_reason="length", outcome=bool(v),
                                 reward=float(v)) for v in r], n_experts=0))
-    mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
-    tx = state_lib.make_optimizer(cfg.optim, 1000)
-    state = [jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))(
-        jax.tree.map(jnp.asarray, params))]
-    learner = Learner(cfg, config, mesh, jax.tree.map(lambda x: x.sharding, state[0]))
-
-    def call() -> None:
-        state[0], _ = learner.update(state[0], groups, rewards)
-        jax.block_until_ready(state[0])
+    learner, call = real.learner_update(cfg, config, params, groups, rewards)
 
     def modules() -> dict[str, str]:
         texts = [exe.as_text() for exe in learner._compiled.values()]

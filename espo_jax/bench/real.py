@@ -310,6 +310,23 @@ def _generation(config, params, model_dir, prompts, new, peer_env, peaks, repeat
     return out, fns["espo_fp32"].engine
 
 
+def learner_update(cfg, model: ModelConfig, params: dict, groups: list, rewards: list):
+    """A one-device `Learner` of `model` with a fresh AdamW state over `params`, and its update on
+    (groups, rewards) as a call that returns the update's metrics: (learner, update)."""
+    mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
+    tx = state_lib.make_optimizer(cfg.optim, 1000)
+    state = [jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))(
+        jax.tree.map(jnp.asarray, params))]
+    learner = Learner(cfg, model, mesh, jax.tree.map(lambda x: x.sharding, state[0]))
+
+    def update() -> dict:
+        state[0], metrics = learner.update(state[0], groups, rewards)
+        jax.block_until_ready(state[0])
+        return metrics
+
+    return learner, update
+
+
 def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_env, peaks,
                repeats, block) -> dict:
     samples, new, micro = shape
@@ -320,19 +337,14 @@ def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_en
     out: dict[str, Any] = {"prompts": len(prompts), "samples": samples, "new_tokens": new,
                            "micro_batches": micro, "row_tokens": width, "sides": {}}
     cfg = rl_config(config, len(prompts[0]), quick)
-    mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
     fns: dict[str, Any] = {}
     for dtype in PEER_DTYPES:
         def build(dtype=dtype):
-            model = dataclasses.replace(config, dtype=dtype)
-            tx = state_lib.make_optimizer(cfg.optim, 1000)
-            state = [jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))(
-                jax.tree.map(jnp.asarray, params))]
-            learner = Learner(cfg, model, mesh, jax.tree.map(lambda x: x.sharding, state[0]))
+            _, step = learner_update(cfg, dataclasses.replace(config, dtype=dtype), params,
+                                     groups, rewards)
 
             def update() -> None:
-                state[0], metrics = learner.update(state[0], groups, rewards)
-                jax.block_until_ready(state[0])
+                metrics = step()
                 if not np.isfinite(metrics["train/loss"]):
                     raise RuntimeError(f"learner {dtype}: loss {metrics['train/loss']}")
             return update
