@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers import hf_random
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
@@ -84,13 +85,7 @@ def _randomize(model: torch.nn.Module) -> None:
 @functools.cache
 def _hf_dir(case: str, root: str) -> str:
     cls, overrides = CASES[case]
-    torch.manual_seed(sum(map(ord, case)))
-    model = AutoModelForCausalLM.from_config(cls(**(_COMMON | overrides)),
-                                             attn_implementation="eager", dtype=torch.float32)
-    _randomize(model)
-    path = os.path.join(root, case)
-    model.save_pretrained(path)
-    return path
+    return hf_random.save_random(cls(**(_COMMON | overrides)), _randomize, root, case)
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +99,7 @@ def _tokens() -> np.ndarray:
 
 
 def _hf_forward(path: str):
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                 dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model, model(torch.as_tensor(_tokens()), output_router_logits=True)
+    return hf_random.eager_forward(path, _tokens())
 
 
 def _choice(logits_NxE, bias_E, config, groups: bool):

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers import hf_random
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as torch_save_file
@@ -74,19 +75,11 @@ def _randomize(model: torch.nn.Module) -> None:
 @functools.cache
 def _hf_dir(case: str, root: str) -> str:
     cls, overrides = CASES[case]
-    torch.manual_seed(sum(map(ord, case)))
     common = dict(_COMMON)
     if case in DENSE_CASES:
         for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok"):
             common.pop(key)
-    config = cls(**(common | overrides))
-    from transformers import AutoModelForCausalLM as Auto
-
-    model = Auto.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    _randomize(model)
-    path = os.path.join(root, case)
-    model.save_pretrained(path)
-    return path
+    return hf_random.save_random(cls(**(common | overrides)), _randomize, root, case)
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +93,9 @@ def _tokens() -> np.ndarray:
 
 
 def _hf_forward(path: str):
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                 dtype=torch.float32)
-    model.eval()
-    moe = {} if model.config.model_type in hf_io.DENSE else {"output_router_logits": True}
-    with torch.no_grad():
-        out = model(torch.as_tensor(_tokens()), **moe)
-    return model, out
+    with open(os.path.join(path, "config.json")) as f:
+        dense = json.load(f)["model_type"] in hf_io.DENSE
+    return hf_random.eager_forward(path, _tokens(), router_logits=not dense)
 
 
 @functools.cache

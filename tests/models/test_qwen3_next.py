@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers import hf_random
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig
 
@@ -57,13 +58,7 @@ def _randomize(model: torch.nn.Module) -> None:
 @functools.cache
 def _hf_dir(case: str, root: str) -> str:
     cls, overrides = CASES[case]
-    torch.manual_seed(sum(map(ord, case)))
-    model = AutoModelForCausalLM.from_config(cls(**(_COMMON | overrides)),
-                                             attn_implementation="eager", dtype=torch.float32)
-    _randomize(model)
-    path = os.path.join(root, case)
-    model.save_pretrained(path)
-    return path
+    return hf_random.save_random(cls(**(_COMMON | overrides)), _randomize, root, case)
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +73,7 @@ def _tokens() -> np.ndarray:
 
 @functools.cache
 def _hf_forward(path: str):
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                 dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model, model(torch.as_tensor(_tokens()), output_router_logits=True)
+    return hf_random.eager_forward(path, _tokens())
 
 
 @pytest.mark.parametrize("case", list(CASES))
