@@ -1,0 +1,242 @@
+"""ESPO with every MS-ZVE stage against GRPO from SmolLM2-135M-Instruct, over seeds.
+
+    python launch/real_weights_seeds.py --workdir /tmp/real_seeds [--seeds=0,1,2]
+        [--lrs=1e-5,5e-5] [--steps=15] [--eval_every=5]
+
+Every run is a main job of `experiments/smollm2_chain_sum.py` (ESPO) or its `:grpo` variant,
+on WORKDIR/code (the repository's committed tree at the first launch, its commit in
+WORKDIR/code/commit.txt), evaluated greedily on the validation split every `--eval_every` RL
+steps and once on the test split at the end (`eval.final_test`):
+
+1. WORKDIR/base: the checkpoint itself (`train.steps=0`) on validation and test: the starting
+   accuracy of every run (greedy decoding: the same for every seed).
+2. WORKDIR/espo/lrL/seed<first>: ESPO at each of `--lrs`; the learning rate is the one with the
+   highest final validation accuracy (ties: the smaller). GRPO runs at the same rate.
+3. WORKDIR/espo/lrL/seedS and WORKDIR/grpo/lrL/seedS for every seed (seed-major), at that rate.
+
+`--config.seed=S` seeds sampling and the RL step; the task's splits are the same for every seed.
+A run whose summary.json exists is not run again: the same command resumes. It writes
+WORKDIR/real_weights_seeds.json (every run's numbers and curves, the aggregates, the commit,
+the CPU) and WORKDIR/real_weights_seeds.png (validation accuracy against RL step, each seed and
+the mean). Only test numbers are reported; validation chose the task and the rate.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import main_jobs  # noqa: E402  (launch/main_jobs.py, beside this script)
+
+REPO = main_jobs.REPO
+EXPERIMENT = "smollm2_chain_sum"
+METHODS = {"espo": "ESPO + MS-ZVE (stages 0-5)", "grpo": "GRPO"}
+
+
+def define_flags() -> None:
+    flags.DEFINE_string("workdir", None, "one subdirectory per run, and the results")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of each method")
+    flags.DEFINE_list("lrs", ["1e-5", "5e-5"], "ESPO learning rates tried on validation (first "
+                      "seed)")
+    flags.DEFINE_integer("steps", 15, "RL steps of every run")
+    flags.DEFINE_integer("eval_every", 5, "RL steps between validation evaluations")
+    flags.DEFINE_bool("small", False, "the experiment's `:small` variant: a smoke test")
+    flags.DEFINE_bool("report_only", False, "run nothing: the json and plot of finished runs")
+    flags.mark_flag_as_required("workdir")
+
+
+def code_copy(workdir: str) -> str:
+    """WORKDIR/code: the committed tree of the repository at the first launch."""
+    code = os.path.join(workdir, "code")
+    if not os.path.exists(os.path.join(code, "commit.txt")):
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, check=True,
+                                capture_output=True, text=True).stdout.strip()
+        shutil.rmtree(code, ignore_errors=True)
+        os.makedirs(code)
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", code], input=archive, check=True)
+        with open(os.path.join(code, "commit.txt"), "w") as f:
+            f.write(commit + "\n")
+    return code
+
+
+def run_flags(steps: int, eval_every: int, seed: int | None = None,
+              lr: str | None = None) -> list[str]:
+    out = [f"--config.train.steps={steps}", "--config.eval.split=validation",
+           "--config.eval.final_test=True", f"--config.eval.every={eval_every}"]
+    if seed is not None:
+        out.append(f"--config.seed={seed}")
+    if lr is not None:
+        out.append(f"--config.optim.lr={lr}")
+    return out
+
+
+def curve(run_dir: str) -> list[tuple[int, float]]:
+    """(RL step, validation accuracy) of every evaluation in RUN_DIR/metrics.jsonl."""
+    points: dict[int, float] = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            if m.get("phase") == "eval" and "eval/accuracy" in m:
+                points[int(m["step"])] = float(m["eval/accuracy"])
+    return sorted(points.items())
+
+
+def run_record(run_dir: str, summary: dict) -> dict:
+    return {"test_accuracy": summary["test_accuracy"],
+            "validation_accuracy": summary["final_accuracy"],
+            "test_per_level": {k.removeprefix("eval/accuracy_level"): v
+                               for k, v in summary["test"].items()
+                               if k.startswith("eval/accuracy_level")},
+            "validation_curve": curve(run_dir), "wall_seconds": summary["wall_seconds"],
+            "generated_tokens": summary["generated_tokens"],
+            "no_signal_token_frac": summary.get("no_signal_token_frac"),
+            "mean_abs_logp_mismatch": summary["mean_abs_logp_mismatch"],
+            "commit": _commit(run_dir)}
+
+
+def _commit(run_dir: str) -> str | None:
+    with open(os.path.join(run_dir, "config.json")) as f:
+        return json.load(f).get("commit")
+
+
+def choose_lr(sweep: dict[str, dict]) -> str:
+    """The rate with the highest final validation accuracy (ties: the smaller rate)."""
+    return max(sorted(sweep, key=float, reverse=True),
+               key=lambda lr: sweep[lr]["validation_accuracy"])
+
+
+def aggregate(runs: dict[str, dict], before: float) -> dict:
+    acc = [r["test_accuracy"] for r in runs.values()]
+    gain = [100 * (a - before) for a in acc]
+    std = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0
+    return {"seeds": sorted(runs, key=int), "test_accuracy_mean": statistics.mean(acc),
+            "test_accuracy_std": std(acc), "gain_points_mean": statistics.mean(gain),
+            "gain_points_std": std(gain),
+            "wall_seconds_mean": statistics.mean(r["wall_seconds"] for r in runs.values()),
+            "generated_tokens_mean": statistics.mean(r["generated_tokens"]
+                                                     for r in runs.values())}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for (method, cell), color in zip(result["methods"].items(), ("C0", "C1"), strict=False):
+        curves = [dict(r["validation_curve"]) for r in cell["runs"].values()]
+        for c in curves:
+            ax.plot(list(c), list(c.values()), color=color, alpha=0.3, lw=1)
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        ax.plot(steps, [statistics.mean(c[s] for c in curves) for s in steps], color=color,
+                lw=2, marker="o", label=f"{METHODS[method]} (mean of {len(curves)} seeds)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("greedy validation accuracy")
+    ax.set_title(f"SmolLM2-135M-Instruct, chain_sum (lr {result['lr']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(workdir: str, seeds: list[str], lrs: list[str], command: str) -> dict | None:
+    """The json (and png) of the finished runs; None before the base and the sweep finish."""
+    base = main_jobs.summary(os.path.join(workdir, "base"))
+    sweep = {lr: main_jobs.summary(os.path.join(workdir, "espo", f"lr{lr}", f"seed{seeds[0]}"))
+             for lr in lrs}
+    if base is None or any(s is None for s in sweep.values()):
+        return None
+    sweep_runs = {lr: run_record(os.path.join(workdir, "espo", f"lr{lr}", f"seed{seeds[0]}"), s)
+                  for lr, s in sweep.items()}
+    lr = choose_lr(sweep_runs)
+    with open(os.path.join(workdir, "code", "commit.txt")) as f:
+        commit = f.read().strip()
+    result = {"command": command, "commit": commit,
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "experiment": f"experiments/{EXPERIMENT}.py", "steps": None,
+              "test_accuracy_before": base["test_accuracy"],
+              "validation_accuracy_before": base["final_accuracy"],
+              "test_before_per_level": {k.removeprefix("eval/accuracy_level"): v
+                                        for k, v in base["test"].items()
+                                        if k.startswith("eval/accuracy_level")},
+              "lr_sweep": {k: {"validation_accuracy": v["validation_accuracy"],
+                               "validation_curve": v["validation_curve"]}
+                           for k, v in sweep_runs.items()},
+              "lr": lr, "methods": {}}
+    for method in METHODS:
+        runs = {}
+        for seed in seeds:
+            run_dir = os.path.join(workdir, method, f"lr{lr}", f"seed{seed}")
+            s = main_jobs.summary(run_dir)
+            if s is not None:
+                runs[seed] = run_record(run_dir, s)
+                result["steps"] = s["steps"]
+        if runs:
+            result["methods"][method] = {"name": METHODS[method], "runs": runs,
+                                         **aggregate(runs, base["test_accuracy"])}
+    with open(os.path.join(workdir, "real_weights_seeds.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if result["methods"]:
+        plot(result, os.path.join(workdir, "real_weights_seeds.png"))
+    return result
+
+
+def main(argv) -> None:
+    del argv
+    f = flags.FLAGS
+    workdir = os.path.abspath(f.workdir)
+    os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+    command = " ".join(["python", "launch/real_weights_seeds.py", *sys.argv[1:]])
+    if not f.report_only:
+        code = code_copy(workdir)
+        experiment = lambda m: EXPERIMENT if m == "espo" else f"{EXPERIMENT}:{m}"
+
+        def job(name: str, method: str, run_flags_: list[str]) -> dict:
+            exp = experiment(method)
+            if f.small:
+                exp = exp + (",small" if ":" in exp else ":small")
+            run_dir = os.path.join(workdir, name)
+            os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+            return main_jobs.run_main(run_dir, exp, run_flags_, label=name, code=code,
+                                      log_path=os.path.join(workdir, "logs",
+                                                            name.replace("/", "_") + ".log"))
+
+        job("base", "espo", run_flags(0, f.eval_every))
+        sweep = {lr: job(f"espo/lr{lr}/seed{f.seeds[0]}", "espo",
+                         run_flags(f.steps, f.eval_every, int(f.seeds[0]), lr))
+                 for lr in f.lrs}
+        lr = choose_lr({k: {"validation_accuracy": s["final_accuracy"]}
+                        for k, s in sweep.items()})
+        print(f"chosen on validation: lr {lr} ({sweep[lr]['final_accuracy']:.3f})", flush=True)
+        for seed in f.seeds:
+            for method in METHODS:
+                job(f"{method}/lr{lr}/seed{seed}", method,
+                    run_flags(f.steps, f.eval_every, int(seed), lr))
+                report(workdir, f.seeds, f.lrs, command)
+    result = report(workdir, f.seeds, f.lrs, command)
+    if result is None:
+        print("nothing to report yet (the base run and the sweep have not finished)")
+        return
+    print(f"test accuracy before: {result['test_accuracy_before']:.3f}; lr {result['lr']}")
+    for cell in result["methods"].values():
+        each = ", ".join(f"{s}: {r['test_accuracy']:.3f}" for s, r in cell["runs"].items())
+        print(f"{cell['name']}: {cell['test_accuracy_mean']:.3f} +- "
+              f"{cell['test_accuracy_std']:.3f} ({each})")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)
