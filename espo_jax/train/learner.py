@@ -89,7 +89,7 @@ class Learner:
         batch_shardings = jax.tree.map(lambda _: rows_sharding, self._example_batch())
         # The passes without a gradient run the forward-only dispatch (the same outputs).
         frozen_kw = {**kw, "model_config": model_config.forward_only()}
-        options = step_lib.compiler_options()
+        options = step_lib.compiler_options(model_config)
         self._old_pass = jax.jit(  # run through `_run_parts` (compiled under the rules)
             functools.partial(step_lib.old_policy_pass, **frozen_kw),
             in_shardings=(state_shardings.params, batch_shardings),

@@ -29,16 +29,23 @@ from espo_jax.train.state import TrainState, apply_gradients
 REPLAY_MODES = ("r3", "r2", "off")
 
 
-def compiler_options() -> dict[str, str] | None:
+def compiler_options(model_config=None) -> dict[str, str] | None:
     """XLA options of the learner's programs (`jax.jit(..., compiler_options=...)`): on CPU,
-    dots by Eigen rather than YNNPACK. YNNPACK runs a batched dot on one thread, and the MoE
-    experts' [blocks, rows, D] x [blocks, D, F] products are most of a gradient's work:
-    [72, 128, 128] x [72, 128, 256] takes 4.2 ms with it, 2.4 ms without; bench peers' train
-    step 394 -> 353 ms, the default experiment's ESPO update 1290 -> 1193 ms (2-core Intel
-    Xeon, 2026-12-04). The rollout engine keeps YNNPACK: its decode steps are small 2-D
-    products, which YNNPACK does faster. Results are reproducible run to run either way, not
-    bitwise equal between the two."""
+    dots by Eigen rather than YNNPACK, except for a dense (no MoE) model computing in bf16.
+    YNNPACK runs a batched dot on one thread, and the MoE experts' [blocks, rows, D] x
+    [blocks, D, F] products are most of a gradient's work: [72, 128, 128] x [72, 128, 256]
+    takes 4.2 ms with it, 2.4 ms without; bench peers' train step 394 -> 353 ms, the default
+    experiment's ESPO update 1290 -> 1193 ms (2-core Intel Xeon, 2026-12-04). A dense bf16
+    model's products are 2-D, and YNNPACK's bf16 kernels (AVX512-BF16, AMX) run them at twice
+    Eigen's rate, which converts them to fp32 (2048 x 576 x 1536 into fp32: 409 against 213
+    GFLOP/s; a SwiGLU MLP's gradient 271 against 320 ms; 2-core AMD EPYC Zen 4, 2026-12-05).
+    The rollout engine keeps YNNPACK: its decode steps are small 2-D products, which YNNPACK
+    does faster. Results are reproducible run to run either way, not bitwise equal between
+    the two."""
     if jax.default_backend() != "cpu":
+        return None
+    if (model_config is not None and not model_config.n_moe_layers
+            and jnp.dtype(model_config.dtype) == jnp.bfloat16):
         return None
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
 

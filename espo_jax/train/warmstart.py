@@ -72,7 +72,7 @@ def warm_start(
             chunk_size=config.train.logprob_chunk,
             n_micro=1,
         ),
-        donate_argnums=(0,), compiler_options=step_lib.compiler_options(),
+        donate_argnums=(0,), compiler_options=step_lib.compiler_options(setup.model_config),
     )
     rng = np.random.default_rng(config.seed)
     eval_metrics: dict = {}
