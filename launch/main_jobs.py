@@ -24,16 +24,19 @@ def summary(run_dir: str) -> dict | None:
 
 def run_main(run_dir: str, experiment: str, run_flags: list[str], *, label: str,
              log_path: str, small: bool = False, code: str = REPO) -> dict:
-    """`python -m espo_jax.main --config CODE/experiments/EXPERIMENT.py[:small] --workdir RUN_DIR
-    RUN_FLAGS` (its output in `log_path`), on the package in `code` (`python -m` puts its
-    working directory first on the path), unless RUN_DIR holds a summary; returns the summary.
+    """`python -m espo_jax.main --config CODE/experiments/NAME.py[:ARG,small] --workdir RUN_DIR
+    RUN_FLAGS` (EXPERIMENT: NAME or NAME:ARG; its output in `log_path`), on the package in
+    `code` (`python -m` puts its working directory first on the path), unless RUN_DIR holds a
+    summary; returns the summary.
     A failed job raises, naming its log."""
     done = summary(run_dir)
     if done is not None:
         print(f"[{label}] already finished", flush=True)
         return done
+    name, _, arg = experiment.partition(":")  # EXPERIMENT[:ARG], e.g. smollm2_chain_sum:grpo
+    arg = ",".join(filter(None, [arg, "small" if small else ""]))
     cmd = [sys.executable, "-m", "espo_jax.main", "--config",
-           os.path.join(code, "experiments", f"{experiment}.py" + (":small" if small else "")),
+           os.path.join(code, "experiments", f"{name}.py" + (f":{arg}" if arg else "")),
            "--workdir", run_dir, *run_flags]
     print(f"[{label}] started: {' '.join(cmd[2:])} (log: {log_path})", flush=True)
     start = time.time()

@@ -112,7 +112,7 @@ def _commit(run_dir: str) -> str | None:
 
 def choose_lr(sweep: dict[str, dict]) -> str:
     """The rate with the highest final validation accuracy (ties: the smaller rate)."""
-    return max(sorted(sweep, key=float, reverse=True),
+    return max(sorted(sweep, key=float),
                key=lambda lr: sweep[lr]["validation_accuracy"])
 
 
@@ -206,11 +206,10 @@ def main(argv) -> None:
 
         def job(name: str, method: str, run_flags_: list[str]) -> dict:
             exp = experiment(method)
-            if f.small:
-                exp = exp + (",small" if ":" in exp else ":small")
             run_dir = os.path.join(workdir, name)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
             return main_jobs.run_main(run_dir, exp, run_flags_, label=name, code=code,
+                                      small=f.small,
                                       log_path=os.path.join(workdir, "logs",
                                                             name.replace("/", "_") + ".log"))
 
@@ -220,7 +219,9 @@ def main(argv) -> None:
                  for lr in f.lrs}
         lr = choose_lr({k: {"validation_accuracy": s["final_accuracy"]}
                         for k, s in sweep.items()})
-        print(f"chosen on validation: lr {lr} ({sweep[lr]['final_accuracy']:.3f})", flush=True)
+        print(f"lr {lr}: validation accuracy {sweep[lr]['final_accuracy']:.3f}"
+              + (" (the highest of the sweep)" if len(sweep) > 1 else " (the only rate run)"),
+              flush=True)
         for seed in f.seeds:
             for method in METHODS:
                 job(f"{method}/lr{lr}/seed{seed}", method,
