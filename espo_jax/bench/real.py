@@ -68,7 +68,8 @@ from espo_jax.train import state as state_lib
 from espo_jax.train.learner import Learner
 
 GEN_PROMPTS, GEN_NEW = 64, 64
-RL_PROMPTS, RL_SAMPLES, RL_NEW, MICRO_BATCHES = 8, 8, 32, 4  # smollm2_chain_sum's batch
+RL_PROMPTS, RL_SAMPLES, RL_NEW = 8, 8, 32  # smollm2_chain_sum's batch (its answers are shorter)
+MICRO_BATCHES = 4  # the like-for-like round (both sides): 64 unpacked rows in 4 parts
 LEARNING_RATE = 2e-6
 QUICK_LAYERS = 2
 ENGINE_PRECISIONS = ("fp32", "bf16", "fp8")
