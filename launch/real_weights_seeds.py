@@ -87,7 +87,7 @@ def curve(run_dir: str) -> list[tuple[int, float]]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
             m = json.loads(line)
-            if m.get("phase") == "eval" and "eval/accuracy" in m:
+            if "eval/accuracy" in m:  # the periodic ones ride on their step's line
                 points[int(m["step"])] = float(m["eval/accuracy"])
     return sorted(points.items())
 
@@ -108,6 +108,18 @@ def run_record(run_dir: str, summary: dict) -> dict:
 def _commit(run_dir: str) -> str | None:
     with open(os.path.join(run_dir, "config.json")) as f:
         return json.load(f).get("commit")
+
+
+def cpu_model() -> str:
+    """The first CPU's model name in /proc/cpuinfo (the machine's type elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def choose_lr(sweep: dict[str, dict]) -> str:
@@ -134,14 +146,26 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for (method, cell), color in zip(result["methods"].items(), ("C0", "C1"), strict=False):
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4.0), width_ratios=(3, 2))
+    for i, ((method, cell), color) in enumerate(zip(result["methods"].items(), ("C0", "C1"),
+                                                    strict=False)):
         curves = [dict(r["validation_curve"]) for r in cell["runs"].values()]
         for c in curves:
             ax.plot(list(c), list(c.values()), color=color, alpha=0.3, lw=1)
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         ax.plot(steps, [statistics.mean(c[s] for c in curves) for s in steps], color=color,
                 lw=2, marker="o", label=f"{METHODS[method]} (mean of {len(curves)} seeds)")
+        after = [r["test_accuracy"] for r in cell["runs"].values()]
+        ax2.scatter([i] * len(after), after, color=color, zorder=3)
+        ax2.errorbar([i + 0.15], [cell["test_accuracy_mean"]], [cell["test_accuracy_std"]],
+                     color=color, marker="s", capsize=4)
+    ax2.axhline(result["test_accuracy_before"], color="gray", ls="--", label="the checkpoint")
+    ax2.set_xticks(range(len(result["methods"])),
+                   [m.upper() for m in result["methods"]])
+    ax2.set_xlim(-0.5, len(result["methods"]) - 0.3)
+    ax2.set_ylabel("greedy test accuracy after RL")
+    ax2.set_title("each seed; mean +- std")
+    ax2.legend(fontsize=8)
     ax.set_xlabel("RL step")
     ax.set_ylabel("greedy validation accuracy")
     ax.set_title(f"SmolLM2-135M-Instruct, chain_sum (lr {result['lr']})")
@@ -165,7 +189,7 @@ def report(workdir: str, seeds: list[str], lrs: list[str], command: str) -> dict
         commit = f.read().strip()
     result = {"command": command, "commit": commit,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "cpu": cpu_model(), "cpus": os.cpu_count(),
               "experiment": f"experiments/{EXPERIMENT}.py", "steps": None,
               "test_accuracy_before": base["test_accuracy"],
               "validation_accuracy_before": base["final_accuracy"],
@@ -199,7 +223,10 @@ def main(argv) -> None:
     f = flags.FLAGS
     workdir = os.path.abspath(f.workdir)
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
-    command = " ".join(["python", "launch/real_weights_seeds.py", *sys.argv[1:]])
+    # as launched: the workdir named DIR, --report_only left out
+    command = " ".join(["python", "launch/real_weights_seeds.py", "--workdir=DIR"] + [
+        a for a in sys.argv[1:] if not a.startswith(("--workdir", "--report_only"))
+        and a != workdir and a != f.workdir])
     if not f.report_only:
         code = code_copy(workdir)
         experiment = lambda m: EXPERIMENT if m == "espo" else f"{EXPERIMENT}:{m}"

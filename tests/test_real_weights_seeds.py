@@ -43,9 +43,11 @@ def _run_dir(path, test, val, curve, seconds=50.0):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"commit": "abc"}, f)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-        for step, acc in curve.items():
-            f.write(json.dumps({"step": step, "phase": "rl", "train/loss": 0.0}) + "\n")
-            f.write(json.dumps({"step": step, "phase": "eval", "eval/accuracy": acc}) + "\n")
+        for step, acc in curve.items():  # as the loop logs them: a periodic evaluation on
+            f.write(json.dumps({"step": step, "phase": "rl", "train/loss": 0.0,  # its step's
+                                "eval/accuracy": acc}) + "\n")  # line, the last one alone
+        f.write(json.dumps({"step": max(curve), "phase": "eval",
+                            "eval/accuracy": curve[max(curve)]}) + "\n")
 
 
 def test_report_of_finished_runs(tmp_path):
