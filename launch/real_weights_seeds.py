@@ -8,13 +8,14 @@ on WORKDIR/code (the repository's committed tree at the first launch, its commit
 WORKDIR/code/commit.txt), evaluated greedily on the validation split every `--eval_every` RL
 steps and once on the test split at the end (`eval.final_test`):
 
-1. WORKDIR/base: the checkpoint itself (`train.steps=0`) on validation and test: the starting
-   accuracy of every run (greedy decoding: the same for every seed).
+1. WORKDIR/base/seedS: the checkpoint itself (`train.steps=0`) on seed S's validation and test
+   splits: the starting accuracy of that seed's runs (greedy decoding).
 2. WORKDIR/espo/lrL/seed<first>: ESPO at each of `--lrs`; the learning rate is the one with the
    highest final validation accuracy (ties: the smaller). GRPO runs at the same rate.
 3. WORKDIR/espo/lrL/seedS and WORKDIR/grpo/lrL/seedS for every seed (seed-major), at that rate.
 
-`--config.seed=S` seeds sampling and the RL step; the task's splits are the same for every seed.
+`--config.seed=S` seeds the task's splits (reasoning-gym draws each seed's own train,
+validation and test questions), sampling and the RL step; a run's gain is over its seed's base.
 A run whose summary.json exists is not run again: the same command resumes. It writes
 WORKDIR/real_weights_seeds.json (every run's numbers and curves, the aggregates, the commit,
 the CPU) and WORKDIR/real_weights_seeds.png (validation accuracy against RL step, each seed and
@@ -92,22 +93,20 @@ def curve(run_dir: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
+def per_level(summary: dict) -> dict[str, float]:
+    """Test accuracy per level (number of terms) of a summary."""
+    return {k.removeprefix("eval/accuracy_level"): v for k, v in summary["test"].items()
+            if k.startswith("eval/accuracy_level")}
+
+
 def run_record(run_dir: str, summary: dict) -> dict:
     return {"test_accuracy": summary["test_accuracy"],
             "validation_accuracy": summary["final_accuracy"],
-            "test_per_level": {k.removeprefix("eval/accuracy_level"): v
-                               for k, v in summary["test"].items()
-                               if k.startswith("eval/accuracy_level")},
+            "test_per_level": per_level(summary),
             "validation_curve": curve(run_dir), "wall_seconds": summary["wall_seconds"],
             "generated_tokens": summary["generated_tokens"],
             "no_signal_token_frac": summary.get("no_signal_token_frac"),
-            "mean_abs_logp_mismatch": summary["mean_abs_logp_mismatch"],
-            "commit": _commit(run_dir)}
-
-
-def _commit(run_dir: str) -> str | None:
-    with open(os.path.join(run_dir, "config.json")) as f:
-        return json.load(f).get("commit")
+            "mean_abs_logp_mismatch": summary["mean_abs_logp_mismatch"]}
 
 
 def cpu_model() -> str:
@@ -128,9 +127,10 @@ def choose_lr(sweep: dict[str, dict]) -> str:
                key=lambda lr: sweep[lr]["validation_accuracy"])
 
 
-def aggregate(runs: dict[str, dict], before: float) -> dict:
+def aggregate(runs: dict[str, dict], before: dict[str, float]) -> dict:
+    """Means and sample stds over seeds; gains in points over each seed's `before`."""
     acc = [r["test_accuracy"] for r in runs.values()]
-    gain = [100 * (a - before) for a in acc]
+    gain = [100 * (r["test_accuracy"] - before[seed]) for seed, r in runs.items()]
     std = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0
     return {"seeds": sorted(runs, key=int), "test_accuracy_mean": statistics.mean(acc),
             "test_accuracy_std": std(acc), "gain_points_mean": statistics.mean(gain),
@@ -159,11 +159,14 @@ def plot(result: dict, path: str) -> None:
         ax2.scatter([i] * len(after), after, color=color, zorder=3)
         ax2.errorbar([i + 0.15], [cell["test_accuracy_mean"]], [cell["test_accuracy_std"]],
                      color=color, marker="s", capsize=4)
-    ax2.axhline(result["test_accuracy_before"], color="gray", ls="--", label="the checkpoint")
+    before = [b["test_accuracy"] for b in result["before"].values()]
+    for i in range(len(result["methods"])):
+        ax2.scatter([i - 0.15] * len(before), before, color="gray", marker="x",
+                    label="the checkpoint (each seed's split)" if i == 0 else None)
     ax2.set_xticks(range(len(result["methods"])),
                    [m.upper() for m in result["methods"]])
     ax2.set_xlim(-0.5, len(result["methods"]) - 0.3)
-    ax2.set_ylabel("greedy test accuracy after RL")
+    ax2.set_ylabel("greedy test accuracy, after RL")
     ax2.set_title("each seed; mean +- std")
     ax2.legend(fontsize=8)
     ax.set_xlabel("RL step")
@@ -177,10 +180,11 @@ def plot(result: dict, path: str) -> None:
 
 def report(workdir: str, seeds: list[str], lrs: list[str], command: str) -> dict | None:
     """The json (and png) of the finished runs; None before the base and the sweep finish."""
-    base = main_jobs.summary(os.path.join(workdir, "base"))
+    bases = {seed: main_jobs.summary(os.path.join(workdir, "base", f"seed{seed}"))
+             for seed in seeds}
     sweep = {lr: main_jobs.summary(os.path.join(workdir, "espo", f"lr{lr}", f"seed{seeds[0]}"))
              for lr in lrs}
-    if base is None or any(s is None for s in sweep.values()):
+    if bases[seeds[0]] is None or any(s is None for s in sweep.values()):
         return None
     sweep_runs = {lr: run_record(os.path.join(workdir, "espo", f"lr{lr}", f"seed{seeds[0]}"), s)
                   for lr, s in sweep.items()}
@@ -191,26 +195,29 @@ def report(workdir: str, seeds: list[str], lrs: list[str], command: str) -> dict
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "cpu": cpu_model(), "cpus": os.cpu_count(),
               "experiment": f"experiments/{EXPERIMENT}.py", "steps": None,
-              "test_accuracy_before": base["test_accuracy"],
-              "validation_accuracy_before": base["final_accuracy"],
-              "test_before_per_level": {k.removeprefix("eval/accuracy_level"): v
-                                        for k, v in base["test"].items()
-                                        if k.startswith("eval/accuracy_level")},
+              "before": {seed: {"test_accuracy": b["test_accuracy"],
+                                "validation_accuracy": b["final_accuracy"],
+                                "test_per_level": per_level(b)}
+                         for seed, b in bases.items() if b is not None},
               "lr_sweep": {k: {"validation_accuracy": v["validation_accuracy"],
                                "validation_curve": v["validation_curve"]}
                            for k, v in sweep_runs.items()},
               "lr": lr, "methods": {}}
+    before = [b["test_accuracy"] for b in result["before"].values()]
+    result["test_accuracy_before_mean"] = statistics.mean(before)
+    result["test_accuracy_before_std"] = statistics.stdev(before) if len(before) > 1 else 0.0
     for method in METHODS:
         runs = {}
         for seed in seeds:
             run_dir = os.path.join(workdir, method, f"lr{lr}", f"seed{seed}")
             s = main_jobs.summary(run_dir)
-            if s is not None:
+            if s is not None and bases[seed] is not None:
                 runs[seed] = run_record(run_dir, s)
                 result["steps"] = s["steps"]
         if runs:
             result["methods"][method] = {"name": METHODS[method], "runs": runs,
-                                         **aggregate(runs, base["test_accuracy"])}
+                                         **aggregate(runs, {k: b["test_accuracy"]
+                                                            for k, b in bases.items() if b})}
     with open(os.path.join(workdir, "real_weights_seeds.json"), "w") as f:
         json.dump(result, f, indent=1)
     if result["methods"]:
@@ -240,7 +247,8 @@ def main(argv) -> None:
                                       log_path=os.path.join(workdir, "logs",
                                                             name.replace("/", "_") + ".log"))
 
-        job("base", "espo", run_flags(0, f.eval_every))
+        for seed in f.seeds:
+            job(f"base/seed{seed}", "espo", run_flags(0, f.eval_every, int(seed)))
         sweep = {lr: job(f"espo/lr{lr}/seed{f.seeds[0]}", "espo",
                          run_flags(f.steps, f.eval_every, int(f.seeds[0]), lr))
                  for lr in f.lrs}
@@ -258,7 +266,9 @@ def main(argv) -> None:
     if result is None:
         print("nothing to report yet (the base run and the sweep have not finished)")
         return
-    print(f"test accuracy before: {result['test_accuracy_before']:.3f}; lr {result['lr']}")
+    print("test accuracy before: " + ", ".join(f"{s}: {b['test_accuracy']:.3f}"
+                                                for s, b in result["before"].items())
+          + f"; lr {result['lr']}")
     for cell in result["methods"].values():
         each = ", ".join(f"{s}: {r['test_accuracy']:.3f}" for s, r in cell["runs"].items())
         print(f"{cell['name']}: {cell['test_accuracy_mean']:.3f} +- "
