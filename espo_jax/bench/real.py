@@ -337,6 +337,29 @@ def learner_update(cfg, model: ModelConfig, params: dict, groups: list, rewards:
     return learner, update
 
 
+def _learner_sides(cfg, config: ModelConfig, params: dict, groups: list, rewards: list,
+                   suffix: str, fns: dict, out: dict) -> None:
+    """espo_jax's update under `cfg` in fp32 and bf16, each built and run once (its memory and
+    first call into out["sides"]["espo_DTYPE" + suffix]), its call into `fns`; with packed
+    rows, the model-side positions of the batch into out["packed_model_tokens"]."""
+    for dtype in PEER_DTYPES:
+        def build(dtype=dtype):
+            learner, step = learner_update(cfg, dataclasses.replace(config, dtype=dtype),
+                                           params, groups, rewards)
+            if cfg.train.pack:
+                batch = learner.update_batches(groups, rewards)[0]
+                out.setdefault("packed_model_tokens", int(sum(b.tokens.size for b in batch)))
+
+            def update() -> None:
+                metrics = step()
+                if not np.isfinite(metrics["train/loss"]):
+                    raise RuntimeError(f"learner {dtype}{suffix}: loss {metrics['train/loss']}")
+            return update
+        name = f"espo_{dtype}{suffix}"
+        fns[name], first_s, mem = _measured_side(build)
+        out["sides"][name] = {"first_call_s": first_s, **mem}
+
+
 def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_env, peaks,
                repeats, block) -> dict:
     samples, new, micro = shape
@@ -348,18 +371,7 @@ def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_en
                            "micro_batches": micro, "row_tokens": width, "sides": {}}
     cfg = rl_config(config, len(prompts[0]), quick)
     fns: dict[str, Any] = {}
-    for dtype in PEER_DTYPES:
-        def build(dtype=dtype):
-            _, step = learner_update(cfg, dataclasses.replace(config, dtype=dtype), params,
-                                     groups, rewards)
-
-            def update() -> None:
-                metrics = step()
-                if not np.isfinite(metrics["train/loss"]):
-                    raise RuntimeError(f"learner {dtype}: loss {metrics['train/loss']}")
-            return update
-        fns[f"espo_{dtype}"], first_s, mem = _measured_side(build)
-        out["sides"][f"espo_{dtype}"] = {"first_call_s": first_s, **mem}
+    _learner_sides(cfg, config, params, groups, rewards, "", fns, out)
     peers = []
     try:
         batch = torch_rows(groups, rewards)
@@ -383,20 +395,7 @@ def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_en
     # Round 2: the update as experiments/smollm2_chain_sum.py runs it: rows packed, each
     # prompt once for its group (`train.share_prompts`), one micro-batch; the same loss.
     packed_cfg = rl_config(config, len(prompts[0]), quick, packed=True)
-    for dtype in PEER_DTYPES:
-        def build_packed(dtype=dtype):
-            learner, step = learner_update(packed_cfg, dataclasses.replace(config, dtype=dtype),
-                                           params, groups, rewards)
-            batch = learner.update_batches(groups, rewards)[0]
-            out.setdefault("packed_model_tokens", int(sum(b.tokens.size for b in batch)))
-
-            def update() -> None:
-                metrics = step()
-                if not np.isfinite(metrics["train/loss"]):
-                    raise RuntimeError(f"packed learner {dtype}: loss {metrics['train/loss']}")
-            return update
-        fns[f"espo_{dtype}_packed"], first_s, mem = _measured_side(build_packed)
-        out["sides"][f"espo_{dtype}_packed"] = {"first_call_s": first_s, **mem}
+    _learner_sides(packed_cfg, config, params, groups, rewards, "_packed", fns, out)
     secs.update(interleaved_medians(fns, repeats, block))
     # FLOP/s of what each side computes: the packed rows' positions, the others' full rows
     packed_flops = train_flops_per_token(config, width) * out["packed_model_tokens"]
