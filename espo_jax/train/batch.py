@@ -19,6 +19,13 @@ sequence (every sequence near the longest), the batch is not packed: the same po
 attention over rows half as long (bench peers' GRPO update, 64 sequences of 47 tokens: 0.312 ->
 0.287 s).
 
+Head positions (`head_len` K > 0): the vocabulary projection, the costliest product of a
+small model's gradient (SmolLM2-135M: a 49,152 x 576 head against 30 layers of 3.5M
+parameters), runs only where a target can be on the loss mask: at each sequence's K
+response targets (`head_index`), brought back to the loss's `[B, T]` by `head_unpack`.
+Prompt positions and padding compute no logits (in `bench real`'s packed batch 2,048 of
+3,744 positions remain).
+
 Shared prompts (`share_prompts=True`, with packing): the responses of one prompt (equal prompt
 tokens and recorded prompt routing, `prompt_keys`) are placed in one data shard, and in a row
 as one copy of the prompt's first P - 1 inputs (segment id g * PREFIX_STRIDE) followed by each
@@ -64,6 +71,11 @@ class RLBatch:
     # [R, W] float32 aux-loss weight of each model-side token (a shared prompt's tokens stand
     # for as many as it has responses); None: 1 on every real token
     token_weights: jax.Array | None = None
+    # [B, K] int32, sequence b's K response-target positions on the model side: the column of
+    # row b unpacked, the flat index into [R, W] packed (R*W: none); None: every position
+    head_index: jax.Array | None = None
+    # [B, T] int32, column k of the head's [B, K] output holding (b, t) (K: none)
+    head_unpack: jax.Array | None = None
 
 
 def rl_seq_len(config) -> int:
@@ -185,13 +197,16 @@ def pack_sequences(
     pack_len: int = 0,
     share_prompts: bool = False,
     trained: Sequence[bool] | None = None,
+    head_len: int = 0,
 ) -> RLBatch:
     """Puts `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy);
     with `pack`, its model side in as few rows of `pack_len` tokens (0: 2 * seq_len) as the
     tokens fill (module docstring); with `share_prompts` too, the responses of one prompt
     share one copy of it. `trained` (one bool per sequence; None: all True): a sequence marked
     False is placed like the others but its `loss_mask` row stays 0 (a response whose reward
-    call failed: no loss term, no token in the loss's denominators)."""
+    call failed: no loss term, no token in the loss's denominators). `head_len` > 0: the most
+    response tokens a sequence has (`rollout.max_new_tokens`), the head's positions per
+    sequence (module docstring)."""
     if rows % n_shards:
         raise ValueError(f"batch rows {rows} not divisible by data shards {n_shards}")
     if trained is not None and len(trained) != len(prompts):
@@ -203,6 +218,9 @@ def pack_sequences(
         if len(lp) < len(r):
             raise ValueError(f"sequence {i} has {len(r)} response tokens but {len(lp)} behaviour "
                              "log-probs")
+    if head_len and max((len(r) for r in responses), default=0) > head_len:
+        raise ValueError(f"a response of {max(len(r) for r in responses)} tokens exceeds "
+                         f"head_len = {head_len} (rollout.max_new_tokens)")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     if lengths and max(lengths) > seq_len + 1:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds seq_len + 1 = {seq_len + 1}")
@@ -268,6 +286,10 @@ def pack_sequences(
     adv = np.zeros((rows,), np.float32)
     zvs = np.zeros((rows,), np.float32)
     unpack = np.full((rows, seq_len), model_rows * width, np.int32) if pack else None
+    head = head_unpack = None
+    if head_len:
+        head = np.full((rows, head_len), model_rows * width if pack else 0, np.int32)
+        head_unpack = np.full((rows, seq_len), head_len, np.int32)
     routed = None
     if moe_shape is not None:
         routed = np.full((model_rows, width, *moe_shape), -1, np.int32)
@@ -305,6 +327,10 @@ def pack_sequences(
             if ri is not None:
                 routed[prow, pcol : pcol + min(skip, len(ri))] = ri[:skip]
         # Target t is response token (t + 1 - len(p)); it is a response token when t >= len(p) - 1.
+        if head is not None:  # the targets t in [len(p) - 1, n_in): the response's tokens
+            at = np.arange(len(p) - 1, n_in)
+            head[row, : len(r)] = unpack[row, at] if pack else at
+            head_unpack[row, at] = np.arange(len(r))
         if trained is None or trained[i]:
             loss_mask[row, len(p) - 1 : n_in] = 1.0
         blogp[row, len(p) - 1 : n_in] = np.asarray(behaviour_logps[i], np.float32)[: len(r)]
@@ -322,4 +348,6 @@ def pack_sequences(
         routed_experts=routed,
         unpack=unpack,
         token_weights=weights,
+        head_index=head,
+        head_unpack=head_unpack,
     )

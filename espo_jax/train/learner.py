@@ -240,6 +240,7 @@ class Learner:
             trained=trained, seq_len=self.seq_len, pad_id=0, n_shards=self.n_data_shards,
             moe_shape=self.moe_shape, pack=self.config.train.pack,
             pack_len=self.config.train.pack_len, share_prompts=self.share_prompts,
+            head_len=self.config.rollout.max_new_tokens,
         )
 
     def _chunks(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray]):

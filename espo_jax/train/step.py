@@ -51,13 +51,15 @@ def compiler_options(model_config=None) -> dict[str, str] | None:
 
 
 def sequence_logprobs(model_config, params, tokens, positions, targets, routed, chunk_size,
-                      segments=None, unpack=None, token_weights=None):
+                      segments=None, unpack=None, token_weights=None, head=None):
     """Per-token log-probs and entropies of `targets`, chunked over the vocabulary projection.
 
     `segments`: the rows' segment ids (`RLBatch.segment_ids`); `unpack`: packed rows' index map
     (`RLBatch.unpack`), which brings the log-probs and entropies back to one row per sequence
     (zero where a sequence has no token); `token_weights`: the tokens' aux-loss weights
-    (`RLBatch.token_weights`). `out` stays on the model's rows."""
+    (`RLBatch.token_weights`); `head`: (`RLBatch.head_index`, `RLBatch.head_unpack`), the
+    projection only at the sequences' response targets (zero elsewhere; None: everywhere).
+    `out` stays on the model's rows."""
     out = models.forward(
         model_config,
         params,
@@ -70,16 +72,44 @@ def sequence_logprobs(model_config, params, tokens, positions, targets, routed, 
         return_logits=False,
     )
     w_DxV = models.lm_head_kernel(model_config, params)
-    logp, ent = rl_logprobs.logprobs_from_hidden(out.hidden, w_DxV, targets, chunk_size=chunk_size)
-    if unpack is not None:
+    hidden = out.hidden
+    if head is not None:
+        index_BxK, head_unpack_BxT = head
+        hidden, targets = (head_rows(x, index_BxK, unpack is not None)
+                           for x in (out.hidden, targets))
+    logp, ent = rl_logprobs.logprobs_from_hidden(hidden, w_DxV, targets, chunk_size=chunk_size)
+    if head is not None:
+        logp, ent = (_row_take(jnp.pad(x, ((0, 0), (0, 1))), head_unpack_BxT)
+                     for x in (logp, ent))
+    elif unpack is not None:
         logp, ent = unpack_rows(logp, unpack), unpack_rows(ent, unpack)
     return logp, ent, out
+
+
+def _row_take(x_BxN, index_BxK):
+    """x[b, index[b, k]] (over x's trailing axes, if any)."""
+    index = index_BxK.reshape(index_BxK.shape + (1,) * (x_BxN.ndim - 2))
+    return jnp.take_along_axis(x_BxN, index, axis=1)
+
+
+def head_rows(x_RxWx, index_BxK, packed: bool):
+    """`x` of the model's rows at the head's positions (`RLBatch.head_index`): [B, K, ...].
+    Packed: flat indices into [R * W] (R * W: a zero); else row b's columns (rows = sequences)."""
+    if packed:
+        flat = x_RxWx.reshape(-1, *x_RxWx.shape[2:])
+        flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])
+        return flat[index_BxK]
+    return _row_take(x_RxWx, index_BxK)
 
 
 def unpack_rows(x_RxT: jax.Array, unpack_BxT: jax.Array) -> jax.Array:
     """`x` of packed rows at the flat positions `unpack` (R*T: zero)."""
     flat = jnp.concatenate([x_RxT.reshape(-1), jnp.zeros((1,), x_RxT.dtype)])
     return flat[unpack_BxT]
+
+
+def _head(batch: RLBatch):
+    return None if batch.head_index is None else (batch.head_index, batch.head_unpack)
 
 
 def _masked_mean(x, mask):
@@ -98,7 +128,7 @@ def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: 
     return sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets,
         _frozen_routing(batch, replay), chunk_size, batch.segment_ids, batch.unpack,
-        batch.token_weights,
+        batch.token_weights, _head(batch),
     )
 
 
@@ -170,7 +200,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
         }[replay]
     logp, ent, out = sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size,
-        batch.segment_ids, batch.unpack, batch.token_weights,
+        batch.segment_ids, batch.unpack, batch.token_weights, _head(batch),
     )
     fused_metrics = {}
     if fused:

@@ -167,3 +167,10 @@ def test_pack_sequences_untrained_sequence_keeps_its_place_with_no_loss(pack, sh
     assert (got.loss_mask <= ref.loss_mask).all()
     with pytest.raises(ValueError, match="trained has 2 entries for 3 sequences"):
         pack_sequences(*args, trained=[True, False], **kw)
+
+
+def test_a_response_longer_than_head_len_is_named():
+    p, r, lp = [np.array([1, 2])], [np.array([4, 5, 6])], [np.zeros(3)]
+    with pytest.raises(ValueError, match="response of 3 tokens exceeds head_len = 2"):
+        pack_sequences(p, r, lp, None, np.zeros(1), np.zeros(1), rows=2, seq_len=6, pad_id=0,
+                       head_len=2)

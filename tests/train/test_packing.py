@@ -231,3 +231,43 @@ def test_shared_prompt_loss_and_gradients_equal_the_padded_ones(shared_setup, lo
         np.testing.assert_allclose(float(m_b[key]), float(m_a[key]), rtol=1e-5, atol=1e-7,
                                    err_msg=key)
     _assert_gradients_close(g_b, g_a)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+@pytest.mark.parametrize("loss_name,replay,fused", [CASES[0], CASES[3]])
+def test_head_at_the_responses_only_changes_nothing(shared_setup, layout, loss_name, replay,
+                                                    fused):
+    """`head_len`: the vocabulary projection only at each sequence's response targets (K of
+    them per sequence, the longest response here) gives the loss, metrics and gradients of the
+    projection at every position, in each layout, fused and after an old-policy pass; its
+    [B, K] positions are exactly the response tokens (unpacked: row b's columns; packed: the
+    flat positions `unpack` gives them)."""
+    params = shared_setup[0]
+    args = _grouped_sequences()
+    k = max(len(r) for r in args[1])
+    pack, share = {"padded": (False, False), "packed": (True, False),
+                   "shared": (True, True)}[layout]
+    kw = dict(rows=ROWS, seq_len=SEQ_LEN, pad_id=0, pack=pack, share_prompts=share,
+              moe_shape=(CONFIG.n_moe_layers, CONFIG.top_k))
+    every = jax.tree.map(jnp.asarray, pack_sequences(*args, **kw))
+    head = jax.tree.map(jnp.asarray, pack_sequences(*args, **kw, head_len=k))
+    assert every.head_index is None and head.head_index.shape == (ROWS, k)
+    # The head's positions: a response's targets in order, then nothing (K, or R * W packed).
+    mask = np.asarray(head.loss_mask) > 0
+    used = np.asarray(head.head_unpack) < k
+    np.testing.assert_array_equal(used, mask)  # every response here is trained
+    index = np.asarray(head.head_index)
+    rows, cols = np.nonzero(mask)
+    slots = np.asarray(head.head_unpack)[rows, cols]
+    want = np.asarray(head.unpack)[rows, cols] if pack else cols
+    np.testing.assert_array_equal(index[rows, slots], want)
+    assert int(np.sum(np.asarray(head.head_unpack) < k)) == sum(len(r) for r in args[1])
+    at = params if fused else jax.tree.map(lambda p: p * 1.05, params)
+    loss_a, m_a, g_a = _loss_and_grads(params, at, every, loss_name, replay, fused)
+    loss_b, m_b, g_b = _loss_and_grads(params, at, head, loss_name, replay, fused)
+    assert abs(float(loss_a)) > 1e-6
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5, atol=1e-7)
+    for key in m_a:
+        np.testing.assert_allclose(float(m_b[key]), float(m_a[key]), rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+    _assert_gradients_close(g_b, g_a)
