@@ -82,6 +82,7 @@ class Dense(nn.Module):
     std: float = 0.02
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    out_dtype: Any = None  # the product's dtype, unrounded (None: `dtype`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -92,7 +93,9 @@ class Dense(nn.Module):
         # fused into the elementwise ops before it (a SwiGLU MLP's gradient at [64, 64, 128]:
         # 61 ms that way, 28 ms this way).
         x2 = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-        y = matmul(x2, quant.maybe_dequant(kernel, self.dtype), self.dtype)
+        w = quant.maybe_dequant(kernel, self.dtype)
+        y = (matmul(x2, w, self.dtype) if self.out_dtype is None else
+             jnp.dot(x2, w, preferred_element_type=self.out_dtype))
         y = y.reshape(*x.shape[:-1], -1)
         if self.use_bias:
             bias = weight(self, "bias", nn.initializers.zeros, (self.features,),
@@ -388,10 +391,12 @@ class Attention(nn.Module):
                 positions_BxT, valid_BxT, cache_mask_BxS, cache["v"].shape[2])
             new_cache = {"k": write_cache_keys(cache["k"], k_BxTxKxA, slots_BxT),
                          "v": write_cache(cache["v"], v_BxTxKxA, slots_BxT)}
-            keys_BxKxSxA, keys_BxKxAxS = None, new_cache["k"].astype(c.dtype)
+            # as held (`kv_cache_dtype`: wider than the compute dtype on CPU), else in it
+            read = jnp.promote_types(cache["k"].dtype, c.dtype)
+            keys_BxKxSxA, keys_BxKxAxS = None, new_cache["k"].astype(read)
             if t > 1:  # a prefill: transposed once, not per chunk of queries
                 keys_BxKxSxA, keys_BxKxAxS = jnp.swapaxes(keys_BxKxAxS, 2, 3), None
-            values_BxKxSxA = new_cache["v"].astype(c.dtype)
+            values_BxKxSxA = new_cache["v"].astype(read)
             key_segments_BxS = None  # a cache row holds one sequence
 
         g = h // kv

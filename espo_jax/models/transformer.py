@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from espo_jax.models import gated_deltanet, quant
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.layers import Attention, Mlp, dense, rms_norm, weight
+from espo_jax.models.layers import Attention, Dense, Mlp, rms_norm, weight
 from espo_jax.models.mla import LatentAttention, latent_cache_shapes
 from espo_jax.models.moe import MoeBlock
 
@@ -80,7 +80,12 @@ class Embed(nn.Module):
                                 (c.vocab_size, c.d_model), ("vocab", "embed"), c.param_dtype)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        return jnp.take(quant.maybe_dequant(self.embedding, self.config.dtype), tokens_BxT, axis=0)
+        if quant.is_quantized(self.embedding):
+            return jnp.take(quant.maybe_dequant(self.embedding, self.config.dtype), tokens_BxT,
+                            axis=0)
+        # The rows, then their dtype: converting the table first converts all V rows (per
+        # call, hoisted out of a decode loop), and XLA:CPU gathers bf16 as fp32.
+        return jnp.take(self.embedding, tokens_BxT, axis=0).astype(self.config.dtype)
 
     def attend(self, x_BxTxD: jax.Array) -> jax.Array:
         c = self.config
@@ -129,8 +134,10 @@ class Transformer(nn.Module):
             if c.tie_embeddings:
                 logits = embed.attend(hidden)
             else:
-                logits = dense(c, c.vocab_size, ("embed", "vocab"), "lm_head")(hidden)
-            logits = logits.astype(jnp.float32)
+                # fp32 logits straight from the product, as `Embed.attend` gives them
+                logits = Dense(c.vocab_size, ("embed", "vocab"), std=c.init_std, dtype=c.dtype,
+                               param_dtype=c.param_dtype, out_dtype=jnp.float32,
+                               name="lm_head")(hidden)
         return hidden, logits, logits_list, experts_list, own_list, stats_list, (
             new_cache if cache is not None else None)
 
@@ -268,6 +275,19 @@ def cache_length(cache: dict) -> int | None:
     return None
 
 
+def kv_cache_dtype(config: ModelConfig) -> Any:
+    """The dtype of the keys and values a cache holds: the compute dtype, but fp32 for a 2-byte
+    one on CPU. XLA:CPU has no bf16 scatter: each cache write converted the layer's whole cache
+    to fp32 and back, every decode step (a fifth of SmolLM2-135M's bf16 generation). Keys and
+    values computed in bf16 are exact in fp32, and attention reads them without a conversion
+    (its products take bf16 inputs with fp32 sums either way)."""
+    dtype = jnp.dtype(config.dtype)
+    if jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating) \
+            and dtype.itemsize == 2:
+        return jnp.float32
+    return dtype
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> dict:
     """An empty KV cache: {"layers_{i}": {"k": [B, K, A, S], "v": [B, K, S, A]}}, zeros.
     Slot s holds the token at position s; validity is the caller's `cache_mask_BxS`. Kv-head
@@ -277,6 +297,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     compressed latent and rope key (`mla`): (C + R) * bytes-per-number per token and layer.
     A linear_attention layer holds its conv windows and recurrent state instead, of a size
     independent of max_len (`gated_deltanet.cache_shapes`; the state float32)."""
+    attn_dtype = dtype or kv_cache_dtype(config)
     dtype = dtype or config.dtype
     linear = {name: (shape, dt or dtype)
               for name, (shape, dt) in gated_deltanet.cache_shapes(config, batch).items()}
@@ -284,8 +305,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
         attn = {name: (shape, dtype)
                 for name, shape in latent_cache_shapes(config, batch, max_len).items()}
     else:
-        attn = {"k": ((batch, config.n_kv_heads, config.head_dim, max_len), dtype),
-                "v": ((batch, config.n_kv_heads, max_len, config.head_dim), dtype)}
+        attn = {"k": ((batch, config.n_kv_heads, config.head_dim, max_len), attn_dtype),
+                "v": ((batch, config.n_kv_heads, max_len, config.head_dim), attn_dtype)}
     return {f"layers_{i}": {name: jnp.zeros(shape, dt) for name, (shape, dt) in (
         linear if config.layer_type(i) == "linear_attention" else attn).items()}
         for i in range(config.n_layers)}

@@ -144,3 +144,41 @@ def test_attend_keys_either_key_layout(t):
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="exactly one"):
         attend_keys(q, positions, keys_BxKxSxA=k, keys_BxKxAxS=jnp.swapaxes(k, 2, 3), **common)
+
+
+def test_a_bf16_cache_on_cpu_holds_fp32_the_same_numbers(tiny_params, seqs):
+    """On CPU a bf16 model's cache holds its keys and values in fp32 (`kv_cache_dtype`: XLA:CPU
+    scatters bf16 by converting the whole cache), every entry a bf16 number; a prefill and
+    three decode steps read from it give the logits of a bf16 cache (the products take bf16
+    inputs and sum in fp32 either way) and the same next tokens."""
+    from espo_jax.models.transformer import kv_cache_dtype
+
+    config = TINY.replace(dtype="bfloat16")
+    assert kv_cache_dtype(config) == (jnp.float32 if jax.default_backend() == "cpu"
+                                      else jnp.bfloat16)
+    assert kv_cache_dtype(TINY) == jnp.float32
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_params)
+    step = jax.jit(functools.partial(forward, config))
+
+    def run(cache):
+        mask = np.zeros((2, S), bool)
+        out = step(params, seqs[:, :5], cache=cache, cache_mask_BxS=mask)
+        logits, mask[:, :5] = [out.logits[:, -1]], True
+        for p in range(5, 8):
+            out = step(params, seqs[:, p:p + 1], positions_BxT=jnp.full((2, 1), p),
+                       cache=out.cache, cache_mask_BxS=mask)
+            logits.append(out.logits[:, 0])
+            mask[:, p] = True
+        return np.stack(logits), out.cache
+
+    wide, wide_cache = run(init_cache(config, 2, S))
+    narrow, narrow_cache = run(init_cache(config, 2, S, jnp.bfloat16))
+    k = wide_cache["layers_1"]["k"]
+    assert k.dtype == kv_cache_dtype(config)
+    np.testing.assert_array_equal(k, k.astype(jnp.bfloat16).astype(k.dtype))
+    assert float(jnp.max(jnp.abs(k[:, :, :, :8]))) > 0
+    np.testing.assert_allclose(np.asarray(k, np.float32),
+                               np.asarray(narrow_cache["layers_1"]["k"], np.float32),
+                               rtol=0, atol=0.02 * float(jnp.max(jnp.abs(k))))
+    np.testing.assert_allclose(wide, narrow, rtol=0, atol=0.02 * float(np.max(np.abs(narrow))))
+    np.testing.assert_array_equal(wide.argmax(-1), narrow.argmax(-1))
