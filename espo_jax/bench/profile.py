@@ -10,8 +10,9 @@ Three programs, each timed (median of untraced calls) and then traced with `jax.
 - `update_small`: the learner's fused ESPO + R3 update with AdamW on the default experiment's
   shape (the `small` preset, 256 sequences packed; bench packing's sequences).
 `--programs generate_smollm2,update_smollm2` profiles bench real's checkpoint instead
-(SmolLM2-135M-Instruct): the engine's generation (64 x 64 new tokens after 45-token random
-prompts, fp32) and the `Learner`'s ESPO update on bench real's RL batch shape.
+(SmolLM2-135M-Instruct) as bench real's fastest sides run it: the engine's generation in bf16
+(64 x 64 new tokens after 45-token random prompts) and the `Learner`'s ESPO update in bf16 on
+bench real's RL batch shape, rows packed with each prompt once per group.
 `--quick` runs the `tiny` preset (SmolLM2's first two layers) on smaller shapes (a smoke test).
 
 Every op the trace records (`hlo_op` on the XLA CPU threads, loops and conditionals counted
@@ -30,6 +31,7 @@ cannot see: the pages of the buffers XLA allocates afresh each call (`espo_jax.h
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import glob
 import os
@@ -252,7 +254,7 @@ def train_program(config: ModelConfig, batch: int, seq: int):
 
 
 def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens: int,
-                     params: dict | None = None):
+                     params: dict | None = None, precision: str = "fp32"):
     """bench peers' generation: the engine's `generate_groups`, one sample per prompt, over
     `rollout.engine_shards` shards of seqs / shards slots, one prefill call per shard; random
     prompts, and random weights unless `params` are given."""
@@ -264,7 +266,7 @@ def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens
                                                             max_new_tokens=new_tokens),
                     max_slots=seqs, steps_per_sync=steps_per_sync,
                     prefill_rows=seqs // shards, max_cache_len=prompt_len + new_tokens,
-                    precision="fp32", shards=shards)
+                    precision=precision, shards=shards)
     rng = np.random.default_rng(1)
     requests = [Request(prompt_id=str(i), n_samples=1,
                         tokens=[int(t) for t in rng.integers(0, config.vocab_size, prompt_len)])
@@ -309,7 +311,8 @@ def update_program(config: ModelConfig, rows: int, seq_len: int):
 
 
 def learner_program(config: ModelConfig, params: dict, quick: bool):
-    """The `Learner`'s update (ESPO, fused, AdamW) on bench real's RL batch shape, random
+    """The `Learner`'s update (ESPO, fused, AdamW; bf16, rows packed with shared prompts, as
+    bench real's `espo_bfloat16_packed`) on bench real's RL batch shape, random
     prompts and responses (behaviour log-probs near -3, half of each group rewarded);
     `modules` is a callable: the learner compiles its programs on the first call."""
     from espo_jax.bench import real
@@ -317,7 +320,8 @@ def learner_program(config: ModelConfig, params: dict, quick: bool):
 
     n_prompts, samples, new, _ = real.rl_shape(quick)
     prompt_len = 16 if quick else 45  # bench real's chat prompts: 45 tokens
-    cfg = real.rl_config(config, prompt_len, quick)
+    cfg = real.rl_config(config, prompt_len, quick, packed=True)
+    config = dataclasses.replace(config, dtype="bfloat16")
     rng = np.random.default_rng(0)
     groups, rewards = [], []
     for i in range(n_prompts):
@@ -424,7 +428,7 @@ def run(quick: bool, programs: list[str] | None = None) -> dict:
         "update_small": lambda: update_program(small, 32 if quick else 256, 71),
         "generate_smollm2": lambda: generate_program(
             *_with_params(smollm2(quick), 4 if quick else 64, 16 if quick else 45,
-                          8 if quick else 64)),
+                          8 if quick else 64), precision="bf16"),
         "update_smollm2": lambda: learner_program(*smollm2(quick), quick),
     }
     print(f"peak fp32 jnp.dot: {peak / 1e9:.0f} GFLOP/s; {os.cpu_count()} CPUs; load average "

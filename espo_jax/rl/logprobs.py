@@ -146,7 +146,8 @@ def logprobs_from_hidden(
     if T == 0:
         empty = jnp.zeros((B, 0), jnp.promote_types(w_DxV.dtype, jnp.float32))
         return empty, empty
-    return _head(hidden_BxTxD, w_DxV, targets_BxT, min(chunk_size, T), float(temperature))
+    with jax.named_scope("logprobs"):  # what `bench profile` attributes to the head and loss
+        return _head(hidden_BxTxD, w_DxV, targets_BxT, min(chunk_size, T), float(temperature))
 
 
 def _chunked(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
