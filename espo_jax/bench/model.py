@@ -62,10 +62,13 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
 
 
 def peak_matmul_flops(n: int, repeats: int, dtype: str = "float32") -> float:
-    """Median FLOP/s of a [n, n] @ [n, n] `jnp.dot` in `dtype` (2 n^3 FLOPs)."""
+    """Median FLOP/s of a [n, n] @ [n, n] `jnp.dot` in `dtype` (2 n^3 FLOPs); below fp32 with
+    fp32 sums out, as the models ask for their products (`layers.matmul`: XLA:CPU's bf16
+    kernels give fp32; a bf16-out dot runs a slower path)."""
     a = jax.random.normal(jax.random.key(1), (n, n), dtype)
     b = jax.random.normal(jax.random.key(2), (n, n), dtype)
-    dot = jax.jit(jnp.dot)
+    out = jnp.promote_types(dtype, jnp.float32)
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=out))
     seconds = median_time(lambda: dot(a, b).block_until_ready(), repeats)
     return 2 * n**3 / seconds
 
