@@ -268,9 +268,9 @@ def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
 def weighted_metrics(metrics_P: dict, share_P: jax.Array) -> dict:
     """Metrics of P parts of a batch (each stacked on a leading axis) as the whole batch's:
     means weighted by each part's share of the loss's weight, extremes (`*max`, `/max_*`,
-    `*min`) as extremes, counts (`/num_*`) summed."""
+    `*min`) as extremes, counts (`/num_*`, `mismatch/tokens*`) summed."""
     def reduce(key, m):
-        if "/num_" in key:
+        if "/num_" in key or key.startswith("mismatch/tokens"):
             return jnp.sum(m, axis=0)
         if key.endswith("max") or "/max_" in key:
             return jnp.max(m, axis=0)
