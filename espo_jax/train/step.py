@@ -95,16 +95,14 @@ def _row_take(x_BxN, index_BxK):
 def head_rows(x_RxWx, index_BxK, packed: bool):
     """`x` of the model's rows at the head's positions (`RLBatch.head_index`): [B, K, ...].
     Packed: flat indices into [R * W] (R * W: a zero); else row b's columns (rows = sequences)."""
-    if packed:
-        flat = x_RxWx.reshape(-1, *x_RxWx.shape[2:])
-        flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])
-        return flat[index_BxK]
-    return _row_take(x_RxWx, index_BxK)
+    return unpack_rows(x_RxWx, index_BxK) if packed else _row_take(x_RxWx, index_BxK)
 
 
 def unpack_rows(x_RxT: jax.Array, unpack_BxT: jax.Array) -> jax.Array:
-    """`x` of packed rows at the flat positions `unpack` (R*T: zero)."""
-    flat = jnp.concatenate([x_RxT.reshape(-1), jnp.zeros((1,), x_RxT.dtype)])
+    """`x` of packed rows at the flat positions `unpack` (R*T: zero), over x's trailing axes
+    if any."""
+    flat = x_RxT.reshape(-1, *x_RxT.shape[2:])
+    flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])
     return flat[unpack_BxT]
 
 
