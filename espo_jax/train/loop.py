@@ -31,7 +31,7 @@ from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
 from espo_jax.train.evaluate import evaluate
 from espo_jax.train.learner import Learner
-from espo_jax.train.metrics import MetricLogger, rollout_metrics
+from espo_jax.train.metrics import MetricLogger, rollout_metrics, trim_jsonl
 from espo_jax.train.samples import SampleLog
 from espo_jax.train.warmstart import warm_seq_len, warm_start
 from espo_jax.zve import (
@@ -135,9 +135,11 @@ class Run:
                 state, meta = ckpt.restore(state)
                 meta = accounting.current_names(meta)  # a checkpoint of older code
                 logging.info("resuming from %s at RL step %d", ckpt.directory, meta["rl_step"])
+                self._trim_logs(meta["rl_step"] if ckpt is self.ckpt else 0)
                 warm.close()
                 self.t_rl = time.time()
                 return state, meta
+        self._trim_logs(None)
         meta = {"rl_step": 0, "generated_tokens": 0, "no_signal_tokens": 0, "offline_tokens": 0,
                 "mismatch_sum": 0.0, "mismatch_n": 0, "cursor": None, "zve": None,
                 "predictor": None, "warmstart": {}}
@@ -168,6 +170,31 @@ class Run:
         warm.close()
         self.t_rl = time.time()
         return state, meta
+
+    def _trim_logs(self, step: int | None) -> None:
+        """A run started again in its WORKDIR redoes what came after the checkpoint it resumes
+        from (`step`: that RL checkpoint's step; 0: the warm-started policy; None: none):
+        drops the rows a dead run logged past it from metrics.jsonl, samples.jsonl and
+        consumed.jsonl, so that each step has its rows once, as in a run never interrupted.
+        Kept: with any checkpoint, the warm start's rows and the evaluation before RL; with an
+        RL checkpoint, every row up to `step` (step 0's offline pass runs after the warm-start
+        checkpoint, so resuming from that one redoes it)."""
+        if not distributed.is_primary():
+            return
+
+        def covered(row: dict) -> bool:
+            if step is None:
+                return False
+            phase = row.get("phase")
+            return (phase == "warmstart" or (phase == "eval" and row["step"] == 0)
+                    or (step > 0 and row["step"] <= step))
+
+        dropped = self.logger.trim(covered)
+        for name in ("samples.jsonl", "consumed.jsonl"):
+            dropped += trim_jsonl(os.path.join(self.workdir, name), covered)
+        if dropped:
+            logging.info("dropped %d log rows written after the checkpoint resumed from",
+                         dropped)
 
     def finished(self, step: int, meta: dict) -> bool:
         """RL ends after `train.steps` steps, or (with `train.max_tokens` > 0) after the step at
@@ -257,7 +284,7 @@ class Run:
         the learner's policy version when it read the step's groups (`step` - 1), the time,
         the reader's cursor after them, and every group read (worker, prompt id, the policy
         version that generated it). `python -m espo_jax.buffer inspect` reads it for the
-        staleness at consumption; a resumed learner logs the steps it redoes again."""
+        staleness at consumption (a resumed run's rows: `_trim_logs`)."""
         if distributed.is_primary():
             line = {"step": step, "learner_version": max(step - 1, 0), "time": time.time(),
                     "cursor": cursor, "groups": [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,22 @@ def _scalar(v: Any) -> float:
     return float(v.reshape(()) if v.size == 1 else v.mean())
 
 
+def trim_jsonl(path: str, keep: Callable[[dict], bool]) -> int:
+    """Rewrites the JSON-lines file `path` with the rows `keep` accepts, in order, and without a
+    torn last line (a process killed mid-write); returns the number of lines dropped. The new
+    file replaces the old in one rename: a crash while trimming leaves one or the other."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [x for x in lines if x.endswith("\n") and keep(json.loads(x))]
+    if len(kept) < len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    return len(lines) - len(kept)
+
+
 class MetricLogger:
     """Writes flat scalar dicts to `workdir/metrics.jsonl` and TensorBoard event files."""
 
@@ -24,10 +40,11 @@ class MetricLogger:
         self.enabled = jax.process_index() == 0
         self._jsonl = None
         self._writer = None
+        self.path = os.path.join(workdir, "metrics.jsonl")
         if not self.enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+        self._jsonl = open(self.path, "a")  # noqa: SIM115
         if tensorboard:
             from clu import metric_writers  # imports TensorFlow: only when writing event files
 
@@ -44,6 +61,17 @@ class MetricLogger:
         if self._writer is not None:
             self._writer.write_scalars(int(step), {f"{phase}/{k}": v for k, v in scalars.items()})
         return scalars
+
+    def trim(self, keep: Callable[[dict], bool]) -> int:
+        """Drops the rows of metrics.jsonl that `keep` rejects (`trim_jsonl`; process 0) and
+        goes on appending; returns the number dropped. TensorBoard's event files keep theirs
+        (its readers show a step's latest value)."""
+        if not self.enabled:
+            return 0
+        self._jsonl.close()
+        dropped = trim_jsonl(self.path, keep)
+        self._jsonl = open(self.path, "a")  # noqa: SIM115
+        return dropped
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         """Markdown texts to TensorBoard's text tab (process 0; nothing without event files)."""

@@ -77,6 +77,20 @@ def test_metric_logger_jsonl(tmp_path):
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
 
 
+def test_metric_logger_trim_drops_rejected_and_torn_rows_then_appends(tmp_path):
+    logger = MetricLogger(str(tmp_path), tensorboard=False)
+    for step in (1, 2, 3):
+        logger.write(step, {"a": float(step)})
+    logger._jsonl.write('{"step": 4, "phase": "rl", "a"')  # killed mid-write: a torn line
+    logger._jsonl.flush()
+    assert logger.trim(lambda row: row["step"] <= 2) == 2  # step 3 and the torn line
+    logger.write(3, {"a": 30.0})  # appends to the trimmed file, not the replaced one
+    logger.close()
+    assert [(r["step"], r["a"]) for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [
+        (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
 def test_rollout_metrics_by_hand():
     def group(outcomes, lengths):  # the records' own rewards are 7.0: never the ones reported
         return RolloutGroup(

@@ -1,6 +1,7 @@
 """Exact resume: a main job killed with SIGKILL mid-RL and started again with the same command
-ends with the same parameters, bit for bit, as a run that was never interrupted (sync loop,
-CPU, same seeds). Real subprocesses, real orbax checkpoints, real buffer shards."""
+ends with the same parameters, bit for bit, and the same logs as a run that was never
+interrupted (sync loop, CPU, same seeds). Real subprocesses, real orbax checkpoints, real
+buffer shards."""
 
 import importlib.util
 import json
@@ -136,6 +137,22 @@ def test_sigkill_mid_rl_then_rerun_is_bitwise_equal_to_uninterrupted(tmp_path):
     for key in ("final_accuracy", "steps", "generated_tokens", "no_signal_token_frac_with_offline",
                 "mean_abs_logp_mismatch", "final"):
         assert s1[key] == s2[key], key
+    # The logs too: each step's rows once, as the uninterrupted run wrote them (the rows the
+    # killed run logged past its last checkpoint were dropped, the resumed run's kept).
+    def rows(workdir, name):
+        with open(os.path.join(workdir, name)) as f:
+            return [json.loads(x) for x in f]
+
+    m1, m2 = rows(killed_dir, "metrics.jsonl"), rows(clean_dir, "metrics.jsonl")
+    assert [(r["phase"], r["step"]) for r in m1] == [(r["phase"], r["step"]) for r in m2]
+    assert any(r["phase"] == "rl" and r["step"] == STEPS for r in m1)
+    for r1, r2 in zip(m1, m2, strict=True):
+        assert r1.keys() == r2.keys()
+        for key in ("train/loss", "rollout/accuracy", "eval/accuracy", "sft/nll"):
+            assert r1.get(key) == r2.get(key), (r1["phase"], r1["step"], key)
+    assert rows(killed_dir, "samples.jsonl") == rows(clean_dir, "samples.jsonl")
+    c1, c2 = rows(killed_dir, "consumed.jsonl"), rows(clean_dir, "consumed.jsonl")
+    assert [(r["step"], r["groups"]) for r in c1] == [(r["step"], r["groups"]) for r in c2]
     # The last RL step did move the parameters (otherwise equality would prove little).
     (p_prev, _, _, _), _ = _restore(str(clean_dir), config, step=STEPS - 1)
     assert any(not np.array_equal(a, b) for a, b in
