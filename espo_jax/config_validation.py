@@ -15,8 +15,8 @@ import ml_collections
 from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
 from espo_jax.rewards.pool import BACKENDS as REWARD_BACKENDS
 from espo_jax.rollout.decode import PRECISIONS
+from espo_jax.train.step import REPLAY_MODES
 
-REPLAY_MODES = ("r3", "r2", "off")
 LOOPS = ("sync", "async")
 ENGINES = ("jax", "vllm")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")

@@ -1,6 +1,7 @@
 """Random transformers checkpoints for the parity tests of each model family: one saved model per
 case (its own seed, the family's own randomisation of the weights) and transformers' eager fp32
-forward of it, shared by tests/models/test_hf_io.py, test_deepseek_glm.py and test_qwen3_next.py."""
+forward of it, shared by tests/models/test_hf_io.py, test_deepseek_glm.py and test_qwen3_next.py;
+the engine's greedy decoding and routing against them (tests/rollout/test_engine_*.py)."""
 
 import os
 from collections.abc import Callable
@@ -20,6 +21,26 @@ def save_random(config: PretrainedConfig, randomize: Callable, root: str, case: 
     path = os.path.join(root, case)
     model.save_pretrained(path)
     return path
+
+
+def assert_greedy_is_generate(model, config, params, groups, new_tokens: int,
+                              forward: Callable) -> None:
+    """Each group's first response (the engine's greedy `new_tokens` tokens, no stop token)
+    equals transformers' greedy `generate` of its prompt with `model`, token for token, and the
+    routing it recorded equals the learner's (`forward(params, tokens)`) on the prompt and
+    response at every position but the last (its token was never fed back)."""
+    for g in groups:
+        prompt = torch.as_tensor(np.asarray(g.prompt_tokens))[None]
+        with torch.no_grad():
+            hf = model.generate(prompt, do_sample=False, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        r = g.responses[0]
+        np.testing.assert_array_equal(r.tokens, hf[0, prompt.shape[1]:].numpy())
+        seq = np.concatenate([g.prompt_tokens, r.tokens])[None]
+        out = forward(params, seq)
+        shape = (seq.shape[1], config.n_moe_layers, config.top_k)  # MoE layers only
+        assert r.routed_experts.shape == shape == out.routed_experts.shape[1:]
+        np.testing.assert_array_equal(r.routed_experts[:-1], np.asarray(out.routed_experts[0])[:-1])
 
 
 def eager_forward(path: str, tokens: np.ndarray, router_logits: bool = True):

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers.hf_random import assert_greedy_is_generate
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
 from espo_jax import models
@@ -73,18 +74,7 @@ def test_greedy_equals_transformers_generate(family):
                                                                        max_new_tokens=NEW),
                                max_slots=2, max_cache_len=32, steps_per_sync=4)
     groups = engine.generate_groups(_prompts(config), n_samples=1)
-    for g in groups:
-        prompt = torch.as_tensor(np.asarray(g.prompt_tokens))[None]
-        with torch.no_grad():
-            hf = model.generate(prompt, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                                eos_token_id=None, pad_token_id=0)
-        r = g.responses[0]
-        np.testing.assert_array_equal(r.tokens, hf[0, prompt.shape[1]:].numpy())
-        # routing of the MoE layers only (layer 0 is dense), as the learner routes the sequence
-        seq = np.concatenate([g.prompt_tokens, r.tokens])[None]
-        out = _forward(config)(params, seq)
-        assert r.routed_experts.shape == (seq.shape[1], 2, 2) == out.routed_experts.shape[1:]
-        np.testing.assert_array_equal(r.routed_experts[:-1], np.asarray(out.routed_experts[0])[:-1])
+    assert_greedy_is_generate(model, config, params, groups, NEW, _forward(config))
 
 
 def test_mla_cache_holds_latent_and_rope_key(family):

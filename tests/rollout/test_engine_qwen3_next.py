@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers.hf_random import assert_greedy_is_generate
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
 from espo_jax import models
@@ -49,18 +50,9 @@ def test_greedy_equals_transformers_generate(tmp_path):
     rng = np.random.default_rng(1)
     requests = [engine_lib.Request(f"p{i}", rng.integers(0, 96, n).tolist())
                 for i, n in enumerate((6, 9, 7))]
-    forward = jax.jit(functools.partial(models.forward, config))
-    for g in engine.generate_groups(requests, n_samples=1):
-        prompt = torch.as_tensor(np.asarray(g.prompt_tokens))[None]
-        with torch.no_grad():
-            hf = model.generate(prompt, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-                                eos_token_id=None, pad_token_id=0)
-        r = g.responses[0]
-        np.testing.assert_array_equal(r.tokens, hf[0, prompt.shape[1]:].numpy())
-        seq = np.concatenate([g.prompt_tokens, r.tokens])[None]
-        out = forward(params, seq)
-        assert r.routed_experts.shape == (seq.shape[1], 3, 2) == out.routed_experts.shape[1:]
-        np.testing.assert_array_equal(r.routed_experts[:-1], np.asarray(out.routed_experts[0])[:-1])
+    groups = engine.generate_groups(requests, n_samples=1)
+    assert_greedy_is_generate(model, config, params, groups, NEW,
+                              jax.jit(functools.partial(models.forward, config)))
     # per slot: layers 0 and 2 hold 3 conv inputs of q, k (16 each) and v (24) plus the
     # 4 x 8 x 6 fp32 state; layer 1 keys and values of 2 heads x 16 per cache slot (fp32)
     cache = models.init_cache(config, 1, 32)
