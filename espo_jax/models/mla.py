@@ -13,8 +13,14 @@ The RoPE layout is `ModelConfig.rope_interleave` (DeepSeek checkpoints: interlea
 
 The KV cache holds the latent and the rotated rope key per token, not the heads' keys and
 values: (C + R) numbers per token and layer against H * (P + R + Dv) for the expanded heads
-(DeepSeek-V3: 512 + 64 = 576 against 128 * 320 = 40960, 1152 against 81920 bytes in bf16). Each
-step expands the cached latents through kv_b_proj (`init_cache`'s "latent" and "k_rope").
+(DeepSeek-V3: 512 + 64 = 576 against 128 * 320 = 40960, 1152 against 81920 bytes in bf16)
+(`init_cache`'s "latent" and "k_rope"). A pass of several tokens expands the latents it reads
+through kv_b_proj. A decode step (one new token per row) absorbs kv_b_proj instead, as
+DeepSeek-V2 describes: each head's query goes into the latent space through the key half of
+kv_b_proj, attends over the cached [latent, rope key] as one shared key and value head (MQA, key
+dims C + R, value dims C), and its latent output comes out through the value half. A step then
+reads the cache once and costs H * S * (2C + R) multiply-adds per token against
+S * C * H * (P + Dv) for expanding S latents (DeepSeek-V3: under 1/100 of that).
 
 Logical axes of the kernels (`espo_jax.sharding`): q_a_proj ("embed", "q_lora"), q_b_proj
 ("q_lora", "heads"), kv_a_proj ("embed", "kv_lora"), kv_b_proj ("kv_lora", "heads"), o_proj
@@ -23,12 +29,15 @@ Logical axes of the kernels (`espo_jax.sharding`): q_a_proj ("embed", "q_lora"),
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from espo_jax.models import quant
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.layers import RMSNorm, attend, cache_view, dense
+from espo_jax.models.layers import Axes, RMSNorm, attend, cache_view, dense, weight
 from espo_jax.models.rope import rotate, softmax_scale_factor
 
 # transformers builds the q_a and kv_a RMSNorms with their default eps, not rms_norm_eps
@@ -46,6 +55,28 @@ def _write(cache_BxSxN: jax.Array, new_BxTxN: jax.Array, slots_BxT: jax.Array) -
     b_idx = jnp.arange(new_BxTxN.shape[0])[:, None]
     return cache_BxSxN.at[b_idx, slots_BxT].set(new_BxTxN.astype(cache_BxSxN.dtype),
                                                  mode="drop")
+
+
+class _Kernel(nn.Module):
+    """A `layers.Dense` kernel read without its product (the same parameter: name, shape, axes,
+    initialiser), in `dtype`, dequantised if FP8."""
+
+    shape: tuple[int, int]
+    axes: Axes
+    std: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        kernel = weight(self, "kernel", nn.initializers.normal(self.std), self.shape, self.axes,
+                        self.param_dtype)
+        return quant.maybe_dequant(kernel, self.dtype)
+
+
+def _product(spec: str, x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
+    """einsum(spec, x, w) in `dtype`, summed in fp32 (as `layers.matmul`)."""
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(dtype)
 
 
 class LatentAttention(nn.Module):
@@ -95,17 +126,35 @@ class LatentAttention(nn.Module):
             key_segments_BxS = None  # a cache row holds one sequence
 
         n_keys = latent_BxTxC.shape[1]
-        kv_b = dense(c, h * (p + dv), ("kv_lora", "heads"), "kv_b_proj")
-        kv_BxSxHxF = kv_b(latent_BxTxC).reshape(b, n_keys, h, p + dv)
-        k_rope_BxSxHxR = jnp.broadcast_to(k_rope_BxTxR[:, :, None, :], (b, n_keys, h, r))
-        keys_BxSxHxQ = jnp.concatenate([kv_BxSxHxF[..., :p], k_rope_BxSxHxR], axis=-1)
         scale = softmax_scale_factor(c)
-        if scale != 1.0:  # attend_keys scales by 1 / sqrt(P + R); the YaRN factor on top
-            q_BxTxHxQ = q_BxTxHxQ * jnp.asarray(scale, q_BxTxHxQ.dtype)
-        out_BxTxHx1xV = attend(
-            c, q_BxTxHxQ[:, :, :, None], positions_BxT, segments_BxT, cache is None,
-            keys_BxKxSxA=jnp.swapaxes(keys_BxSxHxQ, 1, 2), keys_BxKxAxS=None,
-            values_BxKxSxA=jnp.swapaxes(kv_BxSxHxF[..., p:], 1, 2), key_pos_BxS=key_pos_BxS,
-            key_valid_BxS=key_valid_BxS, key_segments_BxS=key_segments_BxS)
-        out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxHx1xV.reshape(b, t, h * dv))
+        keys = dict(keys_BxKxAxS=None, key_pos_BxS=key_pos_BxS, key_valid_BxS=key_valid_BxS,
+                    key_segments_BxS=key_segments_BxS)
+        if cache is not None and t == 1:  # a decode step: kv_b_proj absorbed (module doc)
+            w_CxHxF = _Kernel((lat, h * (p + dv)), ("kv_lora", "heads"), c.init_std, c.dtype,
+                              c.param_dtype, name="kv_b_proj")().reshape(lat, h, p + dv)
+            q_lat_BxTxHxC = _product("bthp,chp->bthc", q_BxTxHxQ[..., :p], w_CxHxF[..., :p],
+                                     c.dtype)
+            # attend_keys scales by 1 / sqrt(C + R); MLA's scale is 1 / sqrt(P + R) (YaRN's
+            # factor on top)
+            factor = scale * ((lat + r) / (p + r)) ** 0.5
+            q_BxTxHxA = jnp.concatenate([q_lat_BxTxHxC, q_BxTxHxQ[..., p:]], axis=-1)
+            q_BxTxHxA = q_BxTxHxA * jnp.asarray(factor, q_BxTxHxA.dtype)
+            out_BxTx1xHxC = attend(
+                c, q_BxTxHxA[:, :, None], positions_BxT, segments_BxT, False,
+                keys_BxKxSxA=jnp.concatenate([latent_BxTxC, k_rope_BxTxR], axis=-1)[:, None],
+                values_BxKxSxA=latent_BxTxC[:, None], **keys)
+            out_BxTxHxV = _product("bthc,chv->bthv", out_BxTx1xHxC[:, :, 0], w_CxHxF[..., p:],
+                                   c.dtype)
+        else:
+            kv_b = dense(c, h * (p + dv), ("kv_lora", "heads"), "kv_b_proj")
+            kv_BxSxHxF = kv_b(latent_BxTxC).reshape(b, n_keys, h, p + dv)
+            k_rope_BxSxHxR = jnp.broadcast_to(k_rope_BxTxR[:, :, None, :], (b, n_keys, h, r))
+            keys_BxSxHxQ = jnp.concatenate([kv_BxSxHxF[..., :p], k_rope_BxSxHxR], axis=-1)
+            if scale != 1.0:  # attend_keys scales by 1 / sqrt(P + R); the YaRN factor on top
+                q_BxTxHxQ = q_BxTxHxQ * jnp.asarray(scale, q_BxTxHxQ.dtype)
+            out_BxTxHxV = attend(
+                c, q_BxTxHxQ[:, :, :, None], positions_BxT, segments_BxT, cache is None,
+                keys_BxKxSxA=jnp.swapaxes(keys_BxSxHxQ, 1, 2),
+                values_BxKxSxA=jnp.swapaxes(kv_BxSxHxF[..., p:], 1, 2), **keys)
+        out = dense(c, c.d_model, ("heads", "embed"), "o_proj")(out_BxTxHxV.reshape(b, t, h * dv))
         return out, new_cache

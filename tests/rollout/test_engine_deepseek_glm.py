@@ -106,3 +106,35 @@ def test_cached_decode_equals_full_forward(family):
                                cache=cache, cache_mask_BxS=mask)
         np.testing.assert_allclose(out.logits[:, 0], full[:, t], atol=1e-5)
         cache, mask[:, t] = out.cache, True
+
+
+def _dot_shapes(jaxpr):
+    """The output shapes of every matrix product in `jaxpr` and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield tuple(eqn.outvars[0].aval.shape)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _dot_shapes(inner)
+
+
+def test_mla_decode_step_never_expands_the_cached_latents(family):
+    """A decode step absorbs kv_b_proj: no product maps the S cached latents to the heads' keys
+    and values ([B * S, C] x [C, H * (P + Dv)]), which a pass of several tokens does."""
+    _, config, params = family
+    if config.attention != "mla":
+        pytest.skip("GLM-4.5 caches the heads' keys and values (GQA)")
+    b, s = 2, 64
+    expanded = (b * s, config.n_heads * (config.qk_nope_head_dim + config.v_head_dim))
+    cache, mask = models.init_cache(config, b, s), np.zeros((b, s), bool)
+
+    def shapes(t):
+        fn = functools.partial(models.forward, config, cache=cache, cache_mask_BxS=mask)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.broadcast_to(np.arange(t), (b, t))
+        return set(_dot_shapes(jax.make_jaxpr(fn)(params, tokens, positions_BxT=positions).jaxpr))
+
+    assert expanded in shapes(4)
+    assert expanded not in shapes(1)
