@@ -121,8 +121,10 @@ class LatentAttention(nn.Module):
                 positions_BxT, valid_BxT, cache_mask_BxS, cache["latent"].shape[1])
             new_cache = {"latent": _write(cache["latent"], latent_BxTxC, slots_BxT),
                          "k_rope": _write(cache["k_rope"], k_rope_BxTxR, slots_BxT)}
-            latent_BxTxC = new_cache["latent"].astype(c.dtype)
-            k_rope_BxTxR = new_cache["k_rope"].astype(c.dtype)
+            # as held (`kv_cache_dtype`: wider than the compute dtype on CPU), else in it
+            read = jnp.promote_types(cache["latent"].dtype, c.dtype)
+            latent_BxTxC = new_cache["latent"].astype(read)
+            k_rope_BxTxR = new_cache["k_rope"].astype(read)
             key_segments_BxS = None  # a cache row holds one sequence
 
         n_keys = latent_BxTxC.shape[1]

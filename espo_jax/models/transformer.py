@@ -302,7 +302,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     linear = {name: (shape, dt or dtype)
               for name, (shape, dt) in gated_deltanet.cache_shapes(config, batch).items()}
     if config.attention == "mla":
-        attn = {name: (shape, dtype)
+        attn = {name: (shape, attn_dtype)
                 for name, shape in latent_cache_shapes(config, batch, max_len).items()}
     else:
         attn = {"k": ((batch, config.n_kv_heads, config.head_dim, max_len), attn_dtype),
