@@ -81,9 +81,12 @@ def _product(spec: str, x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
 
 class LatentAttention(nn.Module):
     """MLA with a causal, segment-aware mask as `layers.Attention` (same arguments, same cache
-    contract: slot s holds position s; validity is the caller's `cache_mask_BxS`)."""
+    contract: slot s holds position s; validity is the caller's `cache_mask_BxS`). `absorb`
+    False expands the cached latents in decode steps too, as transformers does (the same
+    function, other rounding; `bench mla_decode` times both)."""
 
     config: ModelConfig
+    absorb: bool = True
 
     @nn.compact
     def __call__(
@@ -131,7 +134,7 @@ class LatentAttention(nn.Module):
         scale = softmax_scale_factor(c)
         keys = dict(keys_BxKxAxS=None, key_pos_BxS=key_pos_BxS, key_valid_BxS=key_valid_BxS,
                     key_segments_BxS=key_segments_BxS)
-        if cache is not None and t == 1:  # a decode step: kv_b_proj absorbed (module doc)
+        if cache is not None and t == 1 and self.absorb:  # a decode step (module doc)
             w_CxHxF = _Kernel((lat, h * (p + dv)), ("kv_lora", "heads"), c.init_std, c.dtype,
                               c.param_dtype, name="kv_b_proj")().reshape(lat, h, p + dv)
             q_lat_BxTxHxC = _product("bthp,chp->bthc", q_BxTxHxQ[..., :p], w_CxHxF[..., :p],

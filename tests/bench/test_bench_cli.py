@@ -7,7 +7,7 @@ import sys
 import pytest
 
 NAMES = ("model, buffer, engine, zve, attention, peers, packing, profile, device_check, "
-         "linear_decode, real")
+         "linear_decode, real, mla_decode")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -104,3 +104,33 @@ def test_linear_decode_quick(tmp_path):
             assert 0 < r[f"{kind}_step_s"] < 10
             assert r[f"{kind}_s_per_token"] == pytest.approx(r[f"{kind}_step_s"] / r["slots"])
         assert r["full_over_linear_time"] == pytest.approx(r["full_step_s"] / r["linear_step_s"])
+
+
+def test_mla_decode_quick(tmp_path):
+    """`bench mla_decode --quick`: both decode steps run at both contexts and compute the same
+    outputs (fp32); the attention's multiply-adds per slot are absorbed H * (C * (P + Dv) +
+    S * (2C + R)), expanded S * C * H * (P + Dv) + H * S * (P + R + Dv)."""
+    out = tmp_path / "mla_decode.json"
+    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "mla_decode", "--quick",
+                           f"--out={out}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    from espo_jax.models import get_preset
+
+    f = json.loads(out.read_text())
+    c = get_preset(f["preset"])
+    assert f["preset"] == "tiny_deepseek_v3" and f["heads"] == c.n_heads
+    h, cl, r = c.n_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    p, dv = c.qk_nope_head_dim, c.v_head_dim
+    assert [row["context"] for row in f["rows"]] == [64, 512]
+    for row in f["rows"]:
+        s = row["context"]
+        assert row["absorbed_attention_macs_per_slot"] == h * (cl * (p + dv) + s * (2 * cl + r))
+        assert row["expanded_attention_macs_per_slot"] == s * cl * h * (p + dv) + h * s * (
+            p + r + dv)
+        assert row["output_rel_diff"] < (1e-4 if c.dtype == "float32" else 2e-2)
+        for kind in ("absorbed", "expanded"):
+            assert 0 < row[f"{kind}_step_s"] < 10
+        assert row["expanded_over_absorbed_time"] == pytest.approx(
+            row["expanded_step_s"] / row["absorbed_step_s"])
