@@ -6,18 +6,22 @@ Row r holds `prompt + response` right-padded; `targets[r, t]` is the token at t 
 `loss_mask[r, t]` is 1 where that target is a response token. Routing and behaviour log-probs
 are aligned the same way (routing to inputs, log-probs to targets).
 
-Packing (`pack=True`): the model runs on `[R, W]` rows (W = `pack_len`, by default 2T: rows of
-T leave little room beside a long sequence) that each hold several sequences one after the
-other (`segment_ids` 1, 2, ... per sequence, 0 on padding; positions restart at each
-sequence), R ~ the rows the tokens fill instead of one row per sequence: little compute on
-padding. The loss side keeps the per-sequence `[B, T]` layout: `unpack[b, t]` is the flat index
-into the `[R, W]` model outputs of sequence b's position t (R*W where there is none), so the
-losses, advantages and aggregations are the unpacked ones, value for value. R is rounded up
-to a multiple of 1/PACK_BUCKETS of the rows the unpacked tokens would fill (a few distinct
-shapes, each compiled once). Where packed rows would hold no fewer positions than one row per
-sequence (every sequence near the longest), the batch is not packed: the same positions, and
-attention over rows half as long (bench peers' GRPO update, 64 sequences of 47 tokens: 0.312 ->
-0.287 s).
+Packing (`pack=True`): the model runs on `[R, W]` rows (W = `pack_len`, by default 2T: rows of T
+leave little room beside a long sequence) that each hold several sequences one after the other
+(`segment_ids` 1, 2, ... per sequence, 0 on padding; positions restart at each sequence), R ~
+the rows the tokens fill instead of one row per sequence: little compute on padding. The loss
+side keeps the per-sequence `[B, T]` layout: `unpack[b, t]` is the flat index into the `[R, W]`
+model outputs of sequence b's position t (R*W where there is none), so the losses, advantages
+and aggregations are the unpacked ones, value for value. Over several data shards (`n_shards`,
+`RLBatch.shards`) shard d's sequences are packed into shard d's R / n_shards rows, and its index
+maps count within those: flat indices into the shard's own rows (their count where there is
+none), so bringing the outputs back gathers on each device from its own rows (with global
+indices GSPMD all-gathered every device's hidden states for the gather, through an all-to-all:
+`tests/train/test_packing.py`). R is rounded up to a multiple of 1/PACK_BUCKETS of the rows the
+unpacked tokens would fill (a few distinct shapes, each compiled once). Where packed rows would
+hold no fewer positions than one row per sequence (every sequence near the longest), the batch
+is not packed: the same positions, and attention over rows half as long (bench peers' GRPO
+update, 64 sequences of 47 tokens: 0.312 -> 0.287 s).
 
 Head positions (`head_len` K > 0): the vocabulary projection, the costliest product of a
 small model's gradient (SmolLM2-135M: a 49,152 x 576 head against 30 layers of 3.5M
@@ -76,6 +80,10 @@ class RLBatch:
     head_index: jax.Array | None = None
     # [B, T] int32, column k of the head's [B, K] output holding (b, t) (K: none)
     head_unpack: jax.Array | None = None
+    # The data shards the batch is made for (static: one value per learner); packed rows'
+    # index maps (`unpack`, `head_index`) count within the shard's own R / shards rows for its
+    # B / shards sequences (module docstring)
+    shards: int = flax.struct.field(pytree_node=False, default=1)
 
 
 def rl_seq_len(config) -> int:
@@ -336,6 +344,14 @@ def pack_sequences(
         blogp[row, len(p) - 1 : n_in] = np.asarray(behaviour_logps[i], np.float32)[: len(r)]
         adv[row] = advantages[i]
         zvs[row] = zv_sign[i]
+    if pack and n_shards > 1:  # the index maps within each shard's own rows (module docstring)
+        block = model_rows * width // n_shards
+        first = (np.arange(rows) // per_shard * block)[:, None]
+        for index in (a for a in (unpack, head) if a is not None):
+            none = index == model_rows * width
+            index -= first
+            index[none] = block
+            assert ((index >= 0) & (index <= block)).all(), "a sequence packed off its shard"
     return RLBatch(
         tokens=tokens,
         positions=positions,
@@ -350,4 +366,5 @@ def pack_sequences(
         token_weights=weights,
         head_index=head,
         head_unpack=head_unpack,
+        shards=n_shards,
     )

@@ -51,15 +51,15 @@ def compiler_options(model_config=None) -> dict[str, str] | None:
 
 
 def sequence_logprobs(model_config, params, tokens, positions, targets, routed, chunk_size,
-                      segments=None, unpack=None, token_weights=None, head=None):
+                      segments=None, unpack=None, token_weights=None, head=None, shards=1):
     """Per-token log-probs and entropies of `targets`, chunked over the vocabulary projection.
 
     `segments`: the rows' segment ids (`RLBatch.segment_ids`); `unpack`: packed rows' index map
     (`RLBatch.unpack`), which brings the log-probs and entropies back to one row per sequence
     (zero where a sequence has no token); `token_weights`: the tokens' aux-loss weights
     (`RLBatch.token_weights`); `head`: (`RLBatch.head_index`, `RLBatch.head_unpack`), the
-    projection only at the sequences' response targets (zero elsewhere; None: everywhere).
-    `out` stays on the model's rows."""
+    projection only at the sequences' response targets (zero elsewhere; None: everywhere);
+    `shards`: `RLBatch.shards`. `out` stays on the model's rows."""
     out = models.forward(
         model_config,
         params,
@@ -75,14 +75,14 @@ def sequence_logprobs(model_config, params, tokens, positions, targets, routed, 
     hidden = out.hidden
     if head is not None:
         index_BxK, head_unpack_BxT = head
-        hidden, targets = (head_rows(x, index_BxK, unpack is not None)
+        hidden, targets = (head_rows(x, index_BxK, unpack is not None, shards)
                            for x in (out.hidden, targets))
     logp, ent = rl_logprobs.logprobs_from_hidden(hidden, w_DxV, targets, chunk_size=chunk_size)
     if head is not None:
         logp, ent = (_row_take(jnp.pad(x, ((0, 0), (0, 1))), head_unpack_BxT)
                      for x in (logp, ent))
     elif unpack is not None:
-        logp, ent = unpack_rows(logp, unpack), unpack_rows(ent, unpack)
+        logp, ent = unpack_rows(logp, unpack, shards), unpack_rows(ent, unpack, shards)
     return logp, ent, out
 
 
@@ -92,18 +92,25 @@ def _row_take(x_BxN, index_BxK):
     return jnp.take_along_axis(x_BxN, index, axis=1)
 
 
-def head_rows(x_RxWx, index_BxK, packed: bool):
+def head_rows(x_RxWx, index_BxK, packed: bool, shards: int = 1):
     """`x` of the model's rows at the head's positions (`RLBatch.head_index`): [B, K, ...].
-    Packed: flat indices into [R * W] (R * W: a zero); else row b's columns (rows = sequences)."""
-    return unpack_rows(x_RxWx, index_BxK) if packed else _row_take(x_RxWx, index_BxK)
+    Packed: flat indices as `unpack_rows`'; else row b's columns (rows = sequences)."""
+    return unpack_rows(x_RxWx, index_BxK, shards) if packed else _row_take(x_RxWx, index_BxK)
 
 
-def unpack_rows(x_RxT: jax.Array, unpack_BxT: jax.Array) -> jax.Array:
-    """`x` of packed rows at the flat positions `unpack` (R*T: zero), over x's trailing axes
-    if any."""
-    flat = x_RxT.reshape(-1, *x_RxT.shape[2:])
-    flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)])
-    return flat[unpack_BxT]
+def unpack_rows(x_RxT: jax.Array, unpack_BxT: jax.Array, shards: int = 1) -> jax.Array:
+    """`x` of packed rows at the flat positions `unpack`, over x's trailing axes if any. With
+    `shards` > 1, each of that many equal blocks of the sequences indexes its own block of the
+    rows (`RLBatch.shards`): a gather per shard, local to its device. The index one past a
+    block's positions (R*T / shards) reads a zero."""
+    r, t = x_RxT.shape[:2]
+    flat = x_RxT.reshape(shards, r // shards * t, *x_RxT.shape[2:])
+    flat = jnp.concatenate([flat, jnp.zeros((shards, 1, *flat.shape[2:]), flat.dtype)], axis=1)
+    if shards == 1:
+        return flat[0][unpack_BxT]
+    index = unpack_BxT.reshape(shards, -1, *unpack_BxT.shape[1:])
+    return jax.vmap(lambda rows, i: rows[i])(flat, index).reshape(unpack_BxT.shape
+                                                                   + flat.shape[2:])
 
 
 def _head(batch: RLBatch):
@@ -126,7 +133,7 @@ def _frozen_pass(params, batch: RLBatch, model_config, replay: str, chunk_size: 
     return sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets,
         _frozen_routing(batch, replay), chunk_size, batch.segment_ids, batch.unpack,
-        batch.token_weights, _head(batch),
+        batch.token_weights, _head(batch), batch.shards,
     )
 
 
@@ -144,7 +151,7 @@ def old_policy_metrics(logp, ent, out, batch: RLBatch):
         routing, flipped = mismatch.routing_metrics(own, batch.routed_experts,
                                                     batch.token_weights)
         if batch.unpack is not None:
-            flipped = unpack_rows(flipped, batch.unpack)
+            flipped = unpack_rows(flipped, batch.unpack, batch.shards)
     metrics = {**mismatch.logp_metrics(logp, batch.behaviour_logp, batch.loss_mask, flipped),
                **routing}
     metrics["entropy/mean"] = _masked_mean(ent, batch.loss_mask)
@@ -198,7 +205,7 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
         }[replay]
     logp, ent, out = sequence_logprobs(
         model_config, params, batch.tokens, batch.positions, batch.targets, routed, chunk_size,
-        batch.segment_ids, batch.unpack, batch.token_weights, _head(batch),
+        batch.segment_ids, batch.unpack, batch.token_weights, _head(batch), batch.shards,
     )
     fused_metrics = {}
     if fused:

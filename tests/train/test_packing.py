@@ -116,6 +116,37 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(setup, loss_name, repla
     _assert_gradients_close(g_b, g_a)
 
 
+@pytest.mark.parametrize("loss_name,replay,fused", [CASES[0], CASES[3]])
+def test_packed_over_data_shards_gathers_on_each_device(setup, loss_name, replay, fused):
+    """Packed for 4 data shards (each shard's 4 sequences in its own rows, its index maps
+    within them, `RLBatch.shards`) and run on a 4-device data mesh: the loss and gradients of
+    one row per sequence, and the sequences' outputs are gathered where they are, with no
+    all-to-all between the devices (global indices resharded the hidden states for it)."""
+    params, (padded, _) = setup
+    args = _sequences()
+    packed = pack_sequences(*args, rows=ROWS, seq_len=SEQ_LEN, pad_id=0, n_shards=4,
+                            moe_shape=(CONFIG.n_moe_layers, CONFIG.top_k), pack=True,
+                            head_len=SEQ_LEN)
+    assert packed.shards == 4 and packed.tokens.shape[0] % 4 == 0
+    block = packed.tokens.size // 4
+    assert np.asarray(packed.unpack).max() == block  # local: at most the "none" index
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    packed = jax.device_put(jax.tree.map(jnp.asarray, packed), rows)
+    at = params if fused else jax.tree.map(lambda p: p * 1.05, params)
+    loss_a, _, g_a = _loss_and_grads(params, at, padded, loss_name, replay, fused)
+    loss_b, _, g_b = _loss_and_grads(params, at, packed, loss_name, replay, fused)
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5, atol=1e-7)
+    _assert_gradients_close(g_b, g_a)
+    loss_config = paper_loss_config(loss_name)
+    loss_config.vocab_size = CONFIG.vocab_size
+    fn = functools.partial(step_lib.rl_loss, model_config=CONFIG, replay=replay, chunk_size=8,
+                           loss_config=loss_config, zvp_alpha=0.0, fused=True)
+    hlo = jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(at, packed).compile().as_text()
+    assert "all-to-all" not in hlo
+
+
 # ESPO's group mean (fused), DAPO's token mean, a sequence mean after an old-policy pass.
 @pytest.mark.parametrize("loss_name,replay,fused", [CASES[0], CASES[1], CASES[-1]])
 def test_parts_join_to_the_whole_batch(setup, loss_name, replay, fused):
