@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from espo_jax.bench import format_table
-from espo_jax.bench.model import interleaved_medians
+from espo_jax.bench.model import decode_step_medians
 from espo_jax.models import get_preset
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.gated_deltanet import GatedDeltaNet, cache_shapes
@@ -76,18 +76,8 @@ def _layer(config: ModelConfig, kind: str, context: int):
 def measure(config: ModelConfig, contexts: tuple[int, ...], repeats: int) -> list[dict]:
     rows = []
     for context in contexts:
-        fns, state = {}, {}
-        for kind in ("linear", "full"):
-            step, params, x, cache = _layer(config, kind, context)
-            y, state[kind] = step(params, x, cache)  # compile and warm up
-            y.block_until_ready()
-
-            def fn(kind=kind, step=step, params=params, x=x, state=state):
-                y, state[kind] = step(params, x, state[kind])
-                jax.block_until_ready((y, state[kind]))
-
-            fns[kind] = fn
-        seconds = interleaved_medians(fns, repeats)
+        seconds = decode_step_medians(
+            {kind: _layer(config, kind, context) for kind in ("linear", "full")}, repeats)
         row = {"context": context, "slots": SLOTS}
         for kind in ("linear", "full"):
             row[f"{kind}_step_s"] = seconds[kind]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from espo_jax.bench import format_table
-from espo_jax.bench.model import interleaved_medians
+from espo_jax.bench.model import decode_step_medians
 from espo_jax.models import get_preset
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.mla import LatentAttention, latent_cache_shapes
@@ -76,19 +76,12 @@ def _layer(config: ModelConfig, kind: str, context: int):
 def measure(config: ModelConfig, contexts: tuple[int, ...], repeats: int) -> list[dict]:
     rows = []
     for context in contexts:
-        fns, state, outputs = {}, {}, {}
+        steps, outputs = {}, {}
         for kind in KINDS:
             step, plain, params, x, cache = _layer(config, kind, context)
             outputs[kind] = np.asarray(plain(params, x, cache)[0], np.float32)
-            y, state[kind] = step(params, x, cache)  # compile and warm up
-            y.block_until_ready()
-
-            def fn(kind=kind, step=step, params=params, x=x, state=state):
-                y, state[kind] = step(params, x, state[kind])
-                jax.block_until_ready((y, state[kind]))
-
-            fns[kind] = fn
-        seconds = interleaved_medians(fns, repeats)
+            steps[kind] = step, params, x, cache
+        seconds = decode_step_medians(steps, repeats)
         row = {"context": context, "slots": SLOTS}
         for kind in KINDS:
             row[f"{kind}_step_s"] = seconds[kind]

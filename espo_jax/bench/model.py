@@ -158,6 +158,23 @@ def interleaved_medians(fns: dict[str, Any], repeats: int, block: int = 1) -> di
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def decode_step_medians(steps: dict[str, tuple], repeats: int) -> dict[str, float]:
+    """Median seconds of each decode step `step(params, x, cache) -> (y, cache)`, `steps`
+    mapping a name to (step, params, x, cache): each compiled and warmed up first, then timed
+    alternately (`interleaved_medians`), its cache donated back to it as a decode loop's is."""
+    fns, state = {}, {}
+    for name, (step, params, x, cache) in steps.items():
+        y, state[name] = step(params, x, cache)
+        y.block_until_ready()
+
+        def fn(name=name, step=step, params=params, x=x):
+            y, state[name] = step(params, x, state[name])
+            jax.block_until_ready((y, state[name]))
+
+        fns[name] = fn
+    return interleaved_medians(fns, repeats)
+
+
 def run(quick: bool) -> dict:
     batch, seq = (4, 64) if quick else (8, 256)
     repeats = 3 if quick else 9

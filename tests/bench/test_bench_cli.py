@@ -1,6 +1,7 @@
 """`python -m espo_jax.bench NAME [--quick] [--out F.json]`: absl's usage errors, each before a
 benchmark starts (a benchmark's own flags belong to it alone)."""
 
+import json
 import subprocess
 import sys
 
@@ -26,16 +27,19 @@ def test_usage_errors(args, message, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def _quick(name: str, tmp_path) -> dict:
+    """The figures of `python -m espo_jax.bench NAME --quick`, which must succeed."""
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", name, "--quick",
+                           f"--out={out}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_zve_quick_runs_on_the_default_config(tmp_path):
     """`bench zve --quick` on experiments/arith_espo.py's config (its small variant), as
     shipped: every configuration runs, and its accounting adds up."""
-    out = tmp_path / "zve.json"
-    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "zve", "--quick",
-                           f"--out={out}"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    figures = json.loads(out.read_text())
+    figures = _quick("zve", tmp_path)
     configs = figures["configurations"]
     assert len(configs) == 8 and "plain GRPO" in configs
     for name, c in configs.items():
@@ -50,13 +54,7 @@ def test_zve_quick_runs_on_the_default_config(tmp_path):
 
 
 def test_packing_quick_same_loss_fewer_slots(tmp_path):
-    out = tmp_path / "packing.json"
-    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "packing", "--quick",
-                           f"--out={out}"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
-    f = json.loads(out.read_text())
+    f = _quick("packing", tmp_path)
     assert f["packed"]["real_tokens"] == f["padded"]["real_tokens"]
     assert f["packed"]["token_slots"] < f["padded"]["token_slots"]
     assert abs(f["packed"]["loss"] - f["padded"]["loss"]) < 1e-5
@@ -81,15 +79,9 @@ def test_linear_decode_quick(tmp_path):
     """`bench linear_decode --quick`: both mixers' decode steps run at both contexts; the
     linear layer's cache read per token is its conv windows and state whatever the context,
     the full layer's its keys and values of every cached token."""
-    out = tmp_path / "linear_decode.json"
-    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "linear_decode", "--quick",
-                           f"--out={out}"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     from espo_jax.models import get_preset
 
-    f = json.loads(out.read_text())
+    f = _quick("linear_decode", tmp_path)
     c = get_preset(f["preset"])
     assert f["preset"] == "tiny_qwen35_moe" and len(f["load_avg_1m"]) == 2
     n = 4 if c.dtype == "float32" else 2  # bytes per cached number
@@ -110,15 +102,9 @@ def test_mla_decode_quick(tmp_path):
     """`bench mla_decode --quick`: both decode steps run at both contexts and compute the same
     outputs (fp32); the attention's multiply-adds per slot are absorbed H * (C * (P + Dv) +
     S * (2C + R)), expanded S * C * H * (P + Dv) + H * S * (P + R + Dv)."""
-    out = tmp_path / "mla_decode.json"
-    proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "mla_decode", "--quick",
-                           f"--out={out}"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     from espo_jax.models import get_preset
 
-    f = json.loads(out.read_text())
+    f = _quick("mla_decode", tmp_path)
     c = get_preset(f["preset"])
     assert f["preset"] == "tiny_deepseek_v3" and f["heads"] == c.n_heads
     h, cl, r = c.n_heads, c.kv_lora_rank, c.qk_rope_head_dim
