@@ -80,15 +80,20 @@ def _assert_gradients_close(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * scale)
 
 
-def _loss_and_grads(old_params, params, batch, loss_name, replay, fused):
+def _loss_fn(loss_name, replay, fused):
+    """`rl_loss(params, batch)` of the paper's `loss_name` config on CONFIG, with its grads."""
     loss_config = paper_loss_config(loss_name)
     loss_config.vocab_size = CONFIG.vocab_size
-    kw = dict(model_config=CONFIG, replay=replay, chunk_size=8)
+    fn = functools.partial(step_lib.rl_loss, model_config=CONFIG, replay=replay, chunk_size=8,
+                           loss_config=loss_config, zvp_alpha=0.0, fused=fused)
+    return jax.jit(jax.value_and_grad(fn, has_aux=True))
+
+
+def _loss_and_grads(old_params, params, batch, loss_name, replay, fused):
     if not fused:
-        batch, _ = jax.jit(functools.partial(step_lib.old_policy_pass, **kw))(old_params, batch)
-    fn = functools.partial(step_lib.rl_loss, loss_config=loss_config, zvp_alpha=0.0,
-                           fused=fused, **kw)
-    (loss, metrics), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, batch)
+        batch, _ = jax.jit(functools.partial(step_lib.old_policy_pass, model_config=CONFIG,
+                                             replay=replay, chunk_size=8))(old_params, batch)
+    (loss, metrics), grads = _loss_fn(loss_name, replay, fused)(params, batch)
     return loss, metrics, grads
 
 
@@ -139,11 +144,7 @@ def test_packed_over_data_shards_gathers_on_each_device(setup, loss_name, replay
     loss_b, _, g_b = _loss_and_grads(params, at, packed, loss_name, replay, fused)
     np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5, atol=1e-7)
     _assert_gradients_close(g_b, g_a)
-    loss_config = paper_loss_config(loss_name)
-    loss_config.vocab_size = CONFIG.vocab_size
-    fn = functools.partial(step_lib.rl_loss, model_config=CONFIG, replay=replay, chunk_size=8,
-                           loss_config=loss_config, zvp_alpha=0.0, fused=True)
-    hlo = jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(at, packed).compile().as_text()
+    hlo = _loss_fn(loss_name, replay, True).lower(at, packed).compile().as_text()
     assert "all-to-all" not in hlo
 
 
