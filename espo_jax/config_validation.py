@@ -21,6 +21,7 @@ LOOPS = ("sync", "async")
 ENGINES = ("jax", "vllm")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 MODES = ("train", "rollout")
+MOMENT_DTYPES = ("float32", "bfloat16")  # optim.moment_dtype
 
 
 def _get(config, key: str):
@@ -233,6 +234,7 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     _choice(errors, config, "advantage.name", ADVANTAGES)
     _choice(errors, config, "train.loop", LOOPS)
     _choice(errors, config, "train.replay", REPLAY_MODES)
+    _choice(errors, config, "optim.moment_dtype", MOMENT_DTYPES)
     for key, low, low_ok, high in _BOUNDS:
         value = _get(config, key)
         if value < low or (value == low and not low_ok) or (high is not None and value > high):

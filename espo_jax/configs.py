@@ -149,6 +149,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8  # Adam denominator epsilon
     c.optim.weight_decay = 0.0  # AdamW decoupled decay, on matrices only (not norms)
     c.optim.grad_clip_norm = 1.0  # gradients clipped to this global norm
+    # AdamW moments: float32, or bfloat16 (half the optimiser memory; DeepSeek-V3 trained so).
+    # The parameters the optimiser updates are float32 masters whatever the checkpoint holds.
+    c.optim.moment_dtype = "float32"
 
     c.train = ml_collections.ConfigDict()
     c.train.loop = "sync"  # sync (one process, on-policy) or async (learner + worker processes)

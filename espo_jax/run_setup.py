@@ -96,6 +96,11 @@ def worker_share(prompts: Sequence[dict], index: int, num_workers: int) -> list[
     return mine
 
 
+# The learner's parameters: float32 masters whatever the checkpoint holds (`train/state.py`
+# says why). Rollout engines and published versions get them in their own precision.
+MASTER_DTYPE = "float32"
+
+
 def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     """`config.model.preset` with the config's overrides (rope_theta when > 0; see
     `runtime_overrides` for the rest)."""
@@ -105,9 +110,11 @@ def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 def runtime_overrides(config: ml_collections.ConfigDict) -> dict:
     """The model fields a run chooses whatever the weights' architecture (a preset's or a
-    Hugging Face config.json's): MoE dispatch, layer remat, attention chunk and blocks, the aux
-    losses' positions, and the load-balancing loss weight when `config.model.aux_loss_coef` >= 0."""
-    overrides = {"dispatch": config.model.dispatch, "remat": bool(config.model.remat),
+    Hugging Face config.json's): the parameters' dtype (`MASTER_DTYPE`; the compute dtype stays
+    the model's), MoE dispatch, layer remat, attention chunk and blocks, the aux losses'
+    positions, and the load-balancing loss weight when `config.model.aux_loss_coef` >= 0."""
+    overrides = {"param_dtype": MASTER_DTYPE,
+                 "dispatch": config.model.dispatch, "remat": bool(config.model.remat),
                  "attention_chunk": int(config.model.attention_chunk),
                  "causal_blocks": int(config.model.causal_blocks),
                  "aux_loss_tokens": config.model.aux_loss_tokens}
@@ -143,7 +150,9 @@ def load_model(config: ml_collections.ConfigDict) -> tuple[ModelConfig, dict | N
     if not config.model.hf_path:
         return preset_model_config(config), None
     model_config, hf_params = hf_io.from_pretrained(model_dir(config))
-    return model_config.replace(**runtime_overrides(config)), hf_params
+    master = np.dtype(MASTER_DTYPE)
+    return model_config.replace(**runtime_overrides(config)), jax.tree.map(
+        lambda x: x.astype(master), hf_params)
 
 
 def model_architecture(config: ml_collections.ConfigDict) -> ModelConfig:

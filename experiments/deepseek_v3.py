@@ -19,9 +19,9 @@ Measured: not run at full scale (no GPU run). On paper: 671,026,419,200 paramete
 `jax.eval_shape`'s; published: 671B / 37B, the multi-token-prediction layer not counted).
 Per device on the 256-device learner mesh (fsdp 32 x expert 8; `espo_jax.bench.memory_plan`,
 tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026-12-05):
-  - parameters (bf16): 6,180,524,032 bytes (5.76 GiB): experts / 256, the rest / 32, norms
+  - float32 master parameters: 12,360,988,672 bytes (11.51 GiB): experts / 256, the rest / 32, norms
     and correction biases whole
-  - AdamW state (two bf16 moments): 12,361,048,072 bytes (11.51 GiB)
+  - AdamW state (two float32 moments): 24,721,977,352 bytes (23.02 GiB)
   - temporaries of one micro-batch's gradient (one 16k row per batch shard, remat, attention
     chunks of 1024, logits in chunks of 512), CPU XLA's buffer assignment: the slices
     "1 dense + 1 MoE layer" and "1 dense + 2 MoE layers" compiled (every layer takes too long

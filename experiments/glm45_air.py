@@ -21,9 +21,9 @@ Measured: not run at full scale (no GPU run). On paper: 106,852,251,264 paramete
 `ModelConfig.param_count`, the same as `jax.eval_shape`'s).
 Per device on the 32-device learner mesh (fsdp 32; `espo_jax.bench.memory_plan`,
 tests/test_scale_configs.py), from abstract arrays on 32 fake CPU devices (2026-12-05):
-  - parameters (bf16): 6,680,304,128 bytes (6.22 GiB): all / 32 but norms, q/k/v biases and
-    correction biases (whole)
-  - AdamW state (two bf16 moments): 13,360,608,264 bytes (12.44 GiB)
+  - float32 master parameters: 13,360,585,216 bytes (12.44 GiB): all / 32 but norms,
+    q/k/v biases and correction biases (whole)
+  - AdamW state (two float32 moments): 26,721,170,440 bytes (24.89 GiB)
   - temporaries of one micro-batch's gradient (one 16k row per device, remat, attention chunks
     of 1024, logits in chunks of 512), CPU XLA's buffer assignment: the slices "1 dense + 1 MoE
     layer" and "1 dense + 2 MoE layers" compiled, 20,215,752,379,648 and 20,545,221,711,472

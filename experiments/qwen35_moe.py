@@ -28,9 +28,9 @@ with R3 (9.2e-2 -> 2.2e-3 at the tokens whose routing flipped); FP8 weights 2.8e
 (tests/rollout/test_engine_qwen3_next.py).
 Per device on the 16-device learner mesh (fsdp 2 x expert 8; `espo_jax.bench.memory_plan`,
 tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-12-05):
-  - parameters (bf16): 6,476,047,616 bytes (6.03 GiB): experts / 16, the rest / 2; norms, conv
-    kernels, A_log and dt_bias whole
-  - AdamW state (two bf16 moments): 12,952,095,240 bytes (12.06 GiB)
+  - float32 master parameters: 12,952,095,232 bytes (12.06 GiB): experts / 16, the rest /
+    2; norms, conv kernels, A_log and dt_bias whole
+  - AdamW state (two float32 moments): 25,904,190,472 bytes (24.13 GiB)
   - temporaries of one micro-batch's gradient (one 16k row per batch shard, remat, attention
     chunks of 1024, Gated DeltaNet chunks of 64, logits in chunks of 512), CPU XLA's buffer
     assignment: the slices "linear + full layer" and "2 linear + full layer" compiled,

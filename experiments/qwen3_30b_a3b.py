@@ -38,8 +38,8 @@ Choices where the papers are silent (each can be overridden with `--config.x.y=.
   - Mesh: fsdp over all learner devices. With the current rules the batch is split over
     data x fsdp only, so an `expert` axis > 1 repeats the attention compute (~80% of a
     token's FLOPs at 16k) on each of its devices; `:expert=N` exists for when the batch rule
-    also covers `expert` (MaxText's choice). bf16 parameters and Adam moments: 8 bytes per
-    parameter, 244 GB in all, 30.5 GB per device on 8 GPUs.
+    also covers `expert` (MaxText's choice). float32 master parameters and Adam moments
+    (compute in bf16): 12 bytes per parameter, 366 GB in all, 45.8 GB per device on 8 GPUs.
   - Memory at 16k: layers are rematerialised (`model.remat`) and attention runs over query
     chunks of 1024 (`model.attention_chunk`), whose [H, 1024, T] scores are recomputed in the
     backward pass instead of keeping [H, T, T] (32 x 16k^2 x 6 bytes = 52 GB per layer).

@@ -30,15 +30,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (the preset: the experiment's name unless given).
 FIGURES = {
     "deepseek_v3": dict(devices=256, mesh=(32, 8), total=671_026_419_200,
-                        active=37_552_297_472, params=6_180_524_032, optimizer=12_361_048_072,
+                        active=37_552_297_472, params=12_360_988_672, optimizer=24_721_977_352,
                         slice_1=7_002_117_575_744, slice_2=7_126_103_851_376,
                         model=14_317_307_838_032),
     "glm45_air": dict(devices=32, mesh=(32, 1), total=106_852_251_264, active=13_424_129_664,
-                      params=6_680_304_128, optimizer=13_360_608_264,
+                      params=13_360_585_216, optimizer=26_721_170_440,
                       slice_1=20_215_752_379_648, slice_2=20_545_221_711_472,
                       model=34_712_402_979_904),
     "qwen35_moe": dict(preset="qwen35_35b_a3b", devices=16, mesh=(2, 8), total=34_660_610_688,
-                       active=3_454_988_928, params=6_476_047_616, optimizer=12_952_095_240,
+                       active=3_454_988_928, params=12_952_095_232, optimizer=25_904_190_472,
                        slice_1=368_059_066_960, slice_2=388_147_579_448,
                        model=1_131_422_541_504),
 }
@@ -133,7 +133,7 @@ def test_state_bytes_per_device(name):
     c = get_preset(_preset(name))
     got = memory_plan.state_bytes(c, _abstract_mesh(*f["mesh"]))
     assert (got["params"], got["optimizer"]) == (f["params"], f["optimizer"])
-    # By hand: bf16 weights split over fsdp (experts also over expert), the RMSNorm scales,
+    # By hand: the float32 masters split over fsdp (experts also over expert), the RMSNorm scales,
     # GLM's q/k/v biases (heads -> tensor = 1) and the fp32 correction biases whole; Qwen3.5's
     # q/k norms, and its Gated DeltaNet layers' conv kernels, A_log, dt_bias and output norm.
     d, m = c.d_model, c.n_moe_layers
@@ -154,8 +154,8 @@ def test_state_bytes_per_device(name):
         whole = norms + c.n_layers * c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
     fsdp, expert = f["mesh"]
     rest = c.param_count() - experts - whole - biases
-    assert f["params"] == 2 * (experts // (fsdp * expert) + rest // fsdp + whole) + 4 * biases
-    # AdamW: two bf16 moments per parameter, plus two int32 step counts (Adam's bias
+    assert f["params"] == 4 * (experts // (fsdp * expert) + rest // fsdp + whole + biases)
+    # AdamW: two float32 moments per parameter, plus two int32 step counts (Adam's bias
     # correction, the learning-rate schedule's)
     assert f["optimizer"] == 2 * f["params"] + 8
 

@@ -31,6 +31,7 @@ from espo_jax import configs, sharding
 from espo_jax.models import get_preset
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.transformer import init_boxed
+from espo_jax.run_setup import MASTER_DTYPE
 from espo_jax.train.state import make_optimizer
 from espo_jax.train.step import sequence_logprobs
 
@@ -46,8 +47,9 @@ def _leaves(tree):
 
 def state_bytes(config: ModelConfig, mesh, rules=sharding.DEFAULT_RULES) -> dict[str, int]:
     """Per-device bytes of the parameters and of the AdamW state (`train.state.make_optimizer`)
-    on `mesh` (a Mesh or AbstractMesh); exact."""
-    shapes, specs = _abstract(config)
+    on `mesh` (a Mesh or AbstractMesh), the parameters being the learner's float32 masters;
+    exact."""
+    shapes, specs = _abstract(config.replace(param_dtype=MASTER_DTYPE))
     shards = _leaves(sharding.logical_to_mesh_shardings(specs, mesh, rules))
     params = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
                  for x, s in zip(jax.tree.leaves(shapes), shards, strict=True))

@@ -46,8 +46,8 @@ from espo_jax.rollout.worker_status import WorkerStatus
 from espo_jax.zve import PromptScheduler, offline_pass
 
 # Model fields a run chooses for itself (`run_setup.runtime_overrides`): not the architecture.
-_RUNTIME_FIELDS = ("dispatch", "remat", "attention_chunk", "causal_blocks", "attention_impl",
-                   "aux_loss_coef", "aux_loss_tokens")
+_RUNTIME_FIELDS = ("param_dtype", "dispatch", "remat", "attention_chunk", "causal_blocks",
+                   "attention_impl", "aux_loss_coef", "aux_loss_tokens")
 _OFFLINE_SEED = 1 << 20  # offline rounds draw from fold_in(key(seed), this + round)
 
 

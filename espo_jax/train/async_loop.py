@@ -34,6 +34,8 @@ import os
 import signal
 import time
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -119,6 +121,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+
+def rollout_weights(model_config, params) -> tuple:
+    """(config, params) as rollout engines load them: floating weights in the model's compute
+    dtype (bf16 at scale: half the bytes of the learner's float32 masters to write and read),
+    the sigmoid router's correction bias kept float32 as checkpoints hold it."""
+    dtype = np.dtype(jnp.dtype(model_config.dtype))
+
+    def cast(path, x):
+        keep = jax.tree_util.keystr(path).endswith("['e_score_correction_bias']")
+        return x if keep or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+    return (model_config.replace(param_dtype=model_config.dtype),
+            jax.tree_util.tree_map_with_path(cast, params))
+
 class AsyncRun(Run):
     """Learner side of the worker layout; `run()` returns the summary dict."""
 
@@ -191,7 +207,8 @@ class AsyncRun(Run):
 
     def _publish(self, version: int, params) -> None:
         """All processes gather the parameters (a collective); process 0 writes them, with the
-        Hugging Face export that vLLM workers load."""
+        Hugging Face export that vLLM workers load. A version holds the weights in the model's
+        compute dtype (`rollout_weights`), not the learner's float32 masters."""
         host = distributed.gather_to_host(params)
         if distributed.is_primary() and weights.version_dir(self.publish_dir, version).exists():
             # A learner killed after publishing `version` but before its checkpoint: the resumed
@@ -199,7 +216,7 @@ class AsyncRun(Run):
             # may already sample with the published one, so it stays.
             logging.info("weights version %d is already published: keeping it", version)
         elif distributed.is_primary():
-            config = self.setup.model_config
+            config, host = rollout_weights(self.setup.model_config, host)
             hf = hf_io.exporter(config, host) if self.config.rollout.engine == "vllm" else None
             weights.publish(self.publish_dir, version, config, host, hf_export=hf)
 

@@ -248,7 +248,7 @@ def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
     `weight_fn(micro_batch)` is the denominator of the loss's mean (tokens or rows, see
     `losses.aggregation_weight`): micro-batch b enters with weight w_b / sum w, so the result
     equals the full batch's mean even when padding rows leave micro-batches unequal. Without it
-    every micro-batch weighs the same."""
+    every micro-batch weighs the same. The sums are float32 whatever the parameters' dtype."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if n_micro == 1:
         (loss, metrics), grads = grad_fn(params, batch)
@@ -259,11 +259,11 @@ def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
         (loss, metrics), grads = grad_fn(params, mb)
         w = jnp.ones(()) if weight_fn is None else weight_fn(mb).astype(jnp.float32)
         acc_loss, acc_grads, acc_w = carry
-        acc_grads = jax.tree.map(lambda a, g: a + w * g, acc_grads, grads)
-        return (acc_loss + w * loss, acc_grads, acc_w + w), (metrics, w)
+        acc_grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads, grads)
+        return (acc_loss + w * loss.astype(jnp.float32), acc_grads, acc_w + w), (metrics, w)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (jnp.zeros(()), zeros, jnp.zeros(()))
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    init = (jnp.zeros((), jnp.float32), zeros, jnp.zeros((), jnp.float32))
     (loss, grads, total_w), (metrics, w_b) = jax.lax.scan(body, init, micro)
     scale = 1.0 / jnp.maximum(total_w, 1e-12)
     grads = jax.tree.map(lambda g: g * scale, grads)
