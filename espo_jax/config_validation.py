@@ -12,6 +12,7 @@ import os
 
 import ml_collections
 
+from espo_jax import sharding
 from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
 from espo_jax.rewards.pool import BACKENDS as REWARD_BACKENDS
 from espo_jax.rollout.decode import PRECISIONS
@@ -235,6 +236,10 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     _choice(errors, config, "train.loop", LOOPS)
     _choice(errors, config, "train.replay", REPLAY_MODES)
     _choice(errors, config, "optim.moment_dtype", MOMENT_DTYPES)
+    try:
+        sharding.rules_from_config(config.mesh)
+    except ValueError as e:
+        errors.append(str(e))
     for key, low, low_ok, high in _BOUNDS:
         value = _get(config, key)
         if value < low or (value == low and not low_ok) or (high is not None and value > high):
@@ -295,6 +300,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     if not errors:
         mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
         one_device = mesh == 1
+        axes = sharding.batch_axes(sharding.rules_from_config(config.mesh))
+        shards = sharding.batch_shards(config.mesh)
         rows = config.rollout.prompts_per_step * config.zve.n_samples
         per_update = rows // config.train.updates_per_batch
         if rows % config.train.updates_per_batch:
@@ -302,11 +309,11 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 f"rollout rows prompts_per_step*zve.n_samples = {rows} not divisible by "
                 f"train.updates_per_batch = {config.train.updates_per_batch}"
             )
-        elif per_update % (config.train.micro_batches * config.mesh.data * config.mesh.fsdp):
+        elif per_update % (config.train.micro_batches * shards):
             errors.append(
-                f"rows per update {per_update} not divisible by train.micro_batches * mesh.data "
-                f"* mesh.fsdp = {config.train.micro_batches} * {config.mesh.data} * "
-                f"{config.mesh.fsdp}"
+                f"rows per update {per_update} not divisible by train.micro_batches * the batch "
+                f"shards ({' x '.join(f'mesh.{a}' for a in axes)} of config.mesh.rules' batch "
+                f"rule) = {config.train.micro_batches} * {shards}"
             )
         elif one_device and per_update % (config.train.grad_threads
                                           * config.train.micro_batches):
@@ -338,10 +345,11 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
                 "prompts_per_step / num_workers groups)"
             )
         anchor_rows = config.train.anchor_rows or config.warmstart.batch_size
-        if config.train.anchor_coef > 0 and anchor_rows % (config.mesh.data * config.mesh.fsdp):
+        if config.train.anchor_coef > 0 and anchor_rows % shards:
             errors.append(
                 f"anchor rows {anchor_rows} (train.anchor_rows, or warmstart.batch_size when 0) "
-                f"not divisible by mesh.data * mesh.fsdp = {config.mesh.data * config.mesh.fsdp}"
+                f"not divisible by the batch shards ({' x '.join(f'mesh.{a}' for a in axes)} of "
+                f"config.mesh.rules' batch rule) = {shards}"
             )
         elif (config.train.anchor_coef > 0 and one_device
               and anchor_rows % config.train.grad_threads):

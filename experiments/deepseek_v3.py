@@ -45,9 +45,11 @@ experts' shards; the rest of the devices go to fsdp), max_len (prompt + response
 
 Choices where the papers are silent (each can be overridden with `--config.x.y=...`):
   - 1024 prompt tokens + 15360 response tokens; 4 updates per rollout batch (256 responses
-    each), one 16k sequence per batch shard per micro-batch: 256 / 32 = 8 micro-batches.
-  - Mesh fsdp 32 x expert 8: the batch is split over data x fsdp only, so the 8 devices of an
-    expert group repeat the attention compute (MLA's share of a 16k token's FLOPs).
+    each), one 16k sequence per batch shard per micro-batch: 256 rows over the 256 batch
+    shards, one micro-batch.
+  - Mesh fsdp 32 x expert 8: the batch is split over all 256 devices (data x fsdp x expert);
+    the MoE layers are expert parallel (all-to-all over the 8 devices of an expert group,
+    `espo_jax.models.moe_ep`).
   - The correction bias is frozen (`model.router_bias_update_rate` 0) and the load-balancing
     loss off (DeepSeek's config: auxiliary-loss-free).
   - Constant lr after 10 warm-up steps; 500 RL steps; staleness limit 1 policy version.

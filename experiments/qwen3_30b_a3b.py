@@ -35,10 +35,9 @@ to fsdp), max_len (prompt + response tokens).
 Choices where the papers are silent (each can be overridden with `--config.x.y=...`):
   - 1024 prompt tokens + 15360 response tokens = 16k; 4 updates per rollout batch (256
     responses each), one 16k sequence per device per micro-batch (gradient accumulation).
-  - Mesh: fsdp over all learner devices. With the current rules the batch is split over
-    data x fsdp only, so an `expert` axis > 1 repeats the attention compute (~80% of a
-    token's FLOPs at 16k) on each of its devices; `:expert=N` exists for when the batch rule
-    also covers `expert` (MaxText's choice). float32 master parameters and Adam moments
+  - Mesh: fsdp over all learner devices; `:expert=N` makes the MoE layers expert parallel
+    (the batch is split over data x fsdp x expert, tokens reach their experts' devices by
+    all-to-all: `espo_jax.models.moe_ep`). float32 master parameters and Adam moments
     (compute in bf16): 12 bytes per parameter, 366 GB in all, 45.8 GB per device on 8 GPUs.
   - Memory at 16k: layers are rematerialised (`model.remat`) and attention runs over query
     chunks of 1024 (`model.attention_chunk`), whose [H, 1024, T] scores are recomputed in the

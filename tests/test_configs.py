@@ -63,7 +63,8 @@ def test_anchor_needs_warm_start_levels():
     config_validation.validate(c, n_devices=1)
     c.mesh.data = 2
     c.train.anchor_rows = 3  # rows of the anchor batch are split over the data shards
-    with pytest.raises(ValueError, match=r"anchor rows 3 .* not divisible by mesh.data"):
+    with pytest.raises(ValueError, match=r"anchor rows 3 .* not divisible by the batch shards "
+                                         r"\(mesh.data x mesh.fsdp x mesh.expert of"):
         config_validation.validate(c, n_devices=2)
     c.warmstart.levels = ()
     with pytest.raises(ValueError, match="config.warmstart.levels is empty"):
@@ -93,8 +94,9 @@ def test_divisibility_messages_name_the_numbers():
     with pytest.raises(ValueError) as e:
         config_validation.validate(c, n_devices=8)
     # 8 rows over 2 micro-batches x 3 data shards (6) leave a remainder.
-    assert ("rows per update 8 not divisible by train.micro_batches * mesh.data * mesh.fsdp = "
-            "2 * 3 * 1") in str(e.value)
+    assert ("rows per update 8 not divisible by train.micro_batches * the batch shards "
+            "(mesh.data x mesh.fsdp x mesh.expert of config.mesh.rules' batch rule) = 2 * 3"
+            ) in str(e.value)
     c.mesh.data = 1  # one device: the update's rows in 2 parts of 2 micro-batches
     c.train.micro_batches = 8
     with pytest.raises(ValueError, match=r"rows per update 8 not divisible by "

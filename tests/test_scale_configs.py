@@ -63,9 +63,10 @@ def test_full_config_validates_on_its_mesh(name):
     c = configs.experiment_config(name)
     config_validation.validate(c, n_devices=f["devices"], check_paths=False)
     assert (c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor) == (1, *f["mesh"], 1)
-    # 128 prompts x 8 = 1024 rows, 4 updates of 256, one row per data x fsdp shard each
-    # micro-batch (DeepSeek-V3's and GLM's 32 shards: 8 micro-batches)
-    assert c.train.micro_batches == 256 // f["mesh"][0] and c.train.replay == "r3"
+    # 128 prompts x 8 = 1024 rows, 4 updates of 256, one row per batch shard (fsdp x expert)
+    # each micro-batch (DeepSeek-V3's 256 shards: 1; GLM's 32: 8; Qwen3.5's 16: 16)
+    assert c.train.micro_batches == 256 // (f["mesh"][0] * f["mesh"][1])
+    assert c.train.replay == "r3"
     assert c.rollout.max_prompt_len + c.rollout.max_new_tokens == 16384
     assert c.model.preset == _preset(name) and preset_model_config(c).remat
     with pytest.raises(ValueError, match="is not divisible by expert=3"):

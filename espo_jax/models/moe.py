@@ -4,7 +4,8 @@ the auxiliary losses, each a separate function of its own module.
 Per token: `router.Router` gives fp32 logits, `router.route` the experts and their gate
 weights by the router kind `ModelConfig.router` names (recorded routes replayed where given), a
 `moe_dispatch` implementation (`ModelConfig.dispatch`) runs each token through its experts'
-SwiGLU and sums the outputs weighted by the gates; an optional Qwen2-MoE shared expert adds a
+SwiGLU and sums the outputs weighted by the gates (traced on a mesh whose `expert` axis is > 1,
+expert parallel: `moe_ep`); an optional Qwen2-MoE shared expert adds a
 sigmoid-gated dense MLP, and DeepSeek / GLM shared experts (`n_shared_experts`) an ungated one
 of width n_shared_experts * d_expert that every token passes through.
 The layer returns the per-layer `router.load_balance_loss`, `router.z_loss` and the dropped
@@ -13,11 +14,13 @@ fraction (capacity dispatch) for the model's aux loss and metrics.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from espo_jax.models import quant
+from espo_jax.models import moe_ep, quant
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.layers import Mlp, dense, weight
 from espo_jax.models.moe_dispatch import (
@@ -46,7 +49,12 @@ class MoeBlock(nn.Module):
         mask_N = None if mask_BxT is None else mask_BxT.reshape(b * t)
         logits_NxE, bias_E = Router(c, name="router")(x_NxD)
         replay_Nxk = None if replay_BxTxk is None else replay_BxTxk.reshape(b * t, c.top_k)
-        idx_Nxk, weights_Nxk, own_Nxk = route(c, logits_NxE, bias_E, replay_Nxk)
+        mesh = moe_ep.active_mesh(e)
+        if mesh is None:
+            idx_Nxk, weights_Nxk, own_Nxk = route(c, logits_NxE, bias_E, replay_Nxk)
+        else:
+            idx_Nxk, weights_Nxk, own_Nxk = moe_ep.ep_route(
+                functools.partial(route, c), logits_NxE, bias_E, replay_Nxk, mesh=mesh)
 
         init = nn.initializers.normal(c.init_std)
         wg = weight(self, "wi_gate", init, (e, d, f), ("exp", "embed", "mlp"), c.param_dtype)
@@ -55,7 +63,11 @@ class MoeBlock(nn.Module):
         wg, wu, wo = (quant.maybe_dequant(w, c.dtype) for w in (wg, wu, wo))
         xc = x_NxD.astype(c.dtype)
         dropped = jnp.zeros((), jnp.float32)
-        if c.dispatch in ("dropless", "dropless_loop"):
+        if mesh is not None:  # traced on a mesh with expert > 1
+            y_NxD, dropped = moe_ep.ep_dispatch(
+                xc, idx_Nxk, weights_Nxk, wg, wu, wo, mesh=mesh, local=c.dispatch,
+                capacity_factor=c.capacity_factor if c.dispatch == "capacity" else None)
+        elif c.dispatch in ("dropless", "dropless_loop"):
             y_NxD = dropless_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo,
                                       loop=c.dispatch == "dropless_loop")
         elif c.dispatch == "capacity":

@@ -73,7 +73,7 @@ class Learner:
         self.seq_len = rl_seq_len(config)
         # a prompt's responses behind one copy of it (packed rows only)
         self.share_prompts = bool(config.train.pack and config.train.get("share_prompts", False))
-        self.n_data_shards = config.mesh.data * config.mesh.fsdp
+        self.n_data_shards = sharding.batch_shards(config.mesh)
         self.moe_shape = (
             (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None
         )

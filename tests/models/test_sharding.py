@@ -1,5 +1,6 @@
 """Sharding on 8 fake CPU devices (tests/conftest.py): mesh data=2 x expert=4, expert weights
-really split, forward and gradients equal to one device within 1e-5."""
+really split, the batch over every axis, the MoE layers expert parallel (all-to-alls in the
+compiled step), forward and gradients equal to one device within 1e-5."""
 
 import dataclasses
 
@@ -42,7 +43,7 @@ def sharded_params(mesh):
 
 @pytest.fixture(scope="module")
 def tokens():
-    return jax.random.randint(jax.random.key(2), (4, 12), 0, TINY.vocab_size)
+    return jax.random.randint(jax.random.key(2), (8, 12), 0, TINY.vocab_size)  # 1 row a device
 
 
 def loss_fn(params, tokens, config=TINY):
@@ -97,9 +98,14 @@ def test_forward_and_grads_match_single_device(mesh, sharded_params, tiny_params
     with sharding.activation_sharding(mesh):  # traced here: the constraints apply
         (l8, out8), g8 = step(sharded_params, tok)
         # residual stream constrained after the embedding and each of the 2 blocks (forward)
-        hlo = step.lower(sharded_params, tok).as_text()
-    assert hlo.count('sharding_constraint') >= 3 and '[{"data", "fsdp"}, {}, {}]' in hlo
-    assert tok.sharding.spec == PartitionSpec(("data", "fsdp"))
+        lowered = step.lower(sharded_params, tok)
+    hlo = lowered.as_text()
+    assert hlo.count('sharding_constraint') >= 3 and '[{"data", "fsdp", "expert"}, {}, {}]' in hlo
+    assert tok.sharding.spec == PartitionSpec(("data", "fsdp", "expert"))
+    # the MoE layers are expert parallel (a replicated MoE would compute the same numbers):
+    # each device's tokens go to their experts' owners and back, forward and backward
+    compiled = lowered.compile().as_text()
+    assert compiled.count("all-to-all(") >= 4 * TINY.n_moe_layers
     np.testing.assert_allclose(out8.logits, out1.logits, atol=1e-5)
     np.testing.assert_array_equal(out8.routed_experts, out1.routed_experts)
     np.testing.assert_allclose(l8, l1, atol=1e-5)

@@ -76,7 +76,7 @@ def test_batch_sharding_follows_the_batch_rule():
     lrn = _learner(rules)
     assert lrn.rules == rules
     assert lrn.batch_sharding.spec == PartitionSpec(None)  # replicated rows
-    assert _learner().batch_sharding.spec == PartitionSpec(("data", "fsdp"))
+    assert _learner().batch_sharding.spec == PartitionSpec(("data", "fsdp", "expert"))
 
 
 def test_bad_rules_are_named():

@@ -159,7 +159,7 @@ def test_rollout_weights_are_the_compute_dtype():
                                       strict=True))
 
 
-@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "glm45_air"])
 def test_scale_experiment_update_runs(name):
     """The experiment's update as it runs it (bf16 compute on float32 masters, its loss, R3
     replay, its micro-batches: one row each, as on one data shard; its optimiser past the
