@@ -70,4 +70,4 @@ def get_config(arg: str | None = None):
     arg = configs.parse_arg(arg, **{**scale.ARGS, "expert": 8,
                                     "hf_path": "/models/DeepSeek-V3"})
     c = scale.espo_config(arg, PRESET, VOCAB, arg.devices or 256)
-    return scale.small(c, "tiny_deepseek_v3") if arg.small else c
+    return scale.small(c, "tiny_deepseek_v3", arg) if arg.small else c

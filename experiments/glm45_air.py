@@ -68,4 +68,4 @@ VOCAB = 151552  # GLM-4.5 tokenizer |V| (ESPO's log|V|)
 def get_config(arg: str | None = None):
     arg = configs.parse_arg(arg, **{**scale.ARGS, "hf_path": "/models/GLM-4.5-Air"})
     c = scale.espo_config(arg, PRESET, VOCAB, arg.devices or 32)
-    return scale.small(c, "tiny_glm45") if arg.small else c
+    return scale.small(c, "tiny_glm45", arg) if arg.small else c

@@ -84,9 +84,11 @@ def espo_config(arg: ml_collections.ConfigDict, preset: str, vocab: int,
     return c
 
 
-def small(c: ml_collections.ConfigDict, preset: str) -> ml_collections.ConfigDict:
+def small(c: ml_collections.ConfigDict, preset: str,
+          arg: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
     """The laptop variant of the same recipe: tiny MoE on arithmetic, embedded JAX engine,
-    single-process loop, one device."""
+    single-process loop, one device; with `:devices=N` (and `expert=E`) given, N devices,
+    fsdp N / E x expert E (what `bench aot` compiles for a small TPU slice)."""
     configs.apply_small(c)
     c.model.preset = preset  # the family's tiny random weights
     c.model.hf_path = ""
@@ -102,6 +104,8 @@ def small(c: ml_collections.ConfigDict, preset: str) -> ml_collections.ConfigDic
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 0
     c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor = 1, 1, 1, 1
+    if arg is not None and arg.devices:
+        c.mesh.fsdp, c.mesh.expert = arg.devices // arg.expert, arg.expert
     c.train.loop = "sync"
     c.train.micro_batches = 1
     c.train.logprob_chunk = 64

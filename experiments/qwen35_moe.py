@@ -78,6 +78,6 @@ def get_config(arg: str | None = None):
     c = scale.espo_config(arg, PRESET, VOCAB, arg.devices or 16)
     if arg.small:  # packed rows with shared prompts here (one micro-batch): the Gated
         # DeltaNet's segment resets and prefix continuations run
-        c = scale.small(c, "tiny_qwen35_moe")
+        c = scale.small(c, "tiny_qwen35_moe", arg)
         c.train.pack = True
     return c

@@ -63,4 +63,4 @@ def get_config(arg: str | None = None):
                                     "hf_path": "/models/Qwen3-30B-A3B"})
     devices = arg.devices or (32 if arg.tpu else 8)  # 8 GPUs; TPU v5p-64 has 32 chips
     c = scale.espo_config(arg, PRESET, VOCAB, devices)
-    return scale.small(c, "tiny") if arg.small else c
+    return scale.small(c, "tiny", arg) if arg.small else c

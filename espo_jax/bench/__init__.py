@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 NAMES = ("model", "buffer", "engine", "zve", "attention", "peers", "packing", "profile",
-         "device_check", "linear_decode", "real", "mla_decode")
+         "device_check", "linear_decode", "real", "mla_decode", "aot")
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

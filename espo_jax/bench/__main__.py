@@ -1,10 +1,11 @@
 """`python -m espo_jax.bench NAME [--quick] [--out FILE.json]`: runs one benchmark by name.
 
 NAME is one of model, buffer, engine, zve, attention, peers, packing, profile, device_check,
-linear_decode, real, mla_decode (see `espo_jax.bench`). zve also takes `--init_from WORKDIR`,
+linear_decode, real, mla_decode, aot (see `espo_jax.bench`). zve also takes `--init_from WORKDIR`,
 `--budget TOKENS` and `--prompts N` (`espo_jax.bench.zve`); device_check `--dry_run` and
 `--budget_s S`, and writes --out after each of its sections (`espo_jax.bench.device_check`);
-profile `--programs a,b` (`espo_jax.bench.profile.PROGRAMS`).
+profile `--programs a,b` (`espo_jax.bench.profile.PROGRAMS`); aot `--config EXPERIMENT` and
+`--topology TOPOLOGY` (`espo_jax.bench.aot`).
 """
 
 import importlib
@@ -28,11 +29,15 @@ _BUDGET = flags.DEFINE_integer("budget", None, "zve: generated tokens per config
 _PROMPTS = flags.DEFINE_integer("prompts", None, "zve: RL prompt pool size", lower_bound=1)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "device_check: the same code on the CPU, tiny")
 _BUDGET_S = flags.DEFINE_float("budget_s", None, "device_check: total seconds (default: its own)")
+_CONFIG = flags.DEFINE_string("config", None, "aot: the experiment, e.g. "
+                              "experiments/qwen3_30b_a3b.py:devices=16,expert=8")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "aot: the TPU slice, e.g. v5p:2x2x4 or v5p-32")
 _PROGRAMS = flags.DEFINE_list("programs", None, "profile: the programs to profile "
                                "(espo_jax.bench.profile.PROGRAMS)")
 OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS},
              "device_check": {"dry_run": _DRY_RUN, "budget_s": _BUDGET_S},
-             "profile": {"programs": _PROGRAMS}}
+             "profile": {"programs": _PROGRAMS},
+             "aot": {"config": _CONFIG, "topology": _TOPOLOGY}}
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,161 @@
+"""`python -m espo_jax.bench aot --config EXPERIMENT --topology TOPOLOGY [--out F]`: the
+experiment's learner update compiled for a TPU slice on this (CPU) host, and whether it fits.
+
+The TPU compiler runs without a TPU (`pip install -e '.[tpu]'`: libtpu, as MaxText's
+`train_compile.py` uses it): `jax.experimental.topologies` gives the slice's abstract devices,
+the learner is built on a mesh over them from abstract arrays (nothing is allocated), and the
+update the experiment runs (its rows per update at its full length, unpacked or packed as it
+says, router replay, its loss, its micro-batches with float32 accumulation, AdamW on float32
+master weights, the state donated) is lowered and compiled by XLA:TPU. Its `memory_analysis()`
+is the TPU compiler's own buffer assignment: the per-chip bytes of the arguments (state and
+batch), outputs, temporaries and aliases (donated buffers reused), and `peak_bytes` = arguments
++ outputs + temporaries - aliases, against the chip's HBM. The whole model, every layer.
+
+TOPOLOGY: `v5p:2x2x4` (chips per dimension) or `v5p-32` (Cloud TPU names: TensorCores for v5p
+and v4, chips for v5e and v6e). EXPERIMENT: a path with its `:args`, e.g.
+`experiments/qwen3_30b_a3b.py:devices=16,expert=8`; its mesh must have as many devices as the
+slice has chips.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from espo_jax import config_validation, configs, sharding
+from espo_jax.cli_errors import CommandLineError
+from espo_jax.run_setup import MASTER_DTYPE, preset_model_config
+
+GIB = 1 << 30
+# HBM per chip, bytes (Cloud TPU documentation)
+HBM = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
+CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}  # in the `v5p-N` names
+_COLLECTIVES = ("ragged-all-to-all", "all-to-all", "all-gather", "all-reduce", "reduce-scatter",
+                "collective-permute")
+
+
+def parse_topology(name: str) -> tuple[str, str, int]:
+    """(generation, `gen:AxBxC` topology name, chips) of `v5p:2x2x4` or `v5p-32`."""
+    if m := re.fullmatch(r"(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)", name):
+        gen, dims = m.group(1), [int(d) for d in m.group(2).split("x")]
+        return gen, name, math.prod(dims)
+    if m := re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name):
+        gen, n = m.group(1), int(m.group(2))
+        chips = n // CORES_PER_CHIP[gen]
+        if chips < 1 or chips & (chips - 1):
+            raise CommandLineError(f"--topology {name}: {n} is not a power-of-two slice")
+        dims = [1, 1, 1] if gen in ("v4", "v5p") else [1, 1]
+        while math.prod(dims) < chips:  # grow the smallest dimension: 2x2x4, 2x4x4, 4x4x4...
+            dims[dims.index(min(dims))] *= 2
+        return gen, f"{gen}:{'x'.join(map(str, sorted(dims)))}", chips
+    raise CommandLineError(f"--topology {name!r}: give e.g. v5p:2x2x4 or v5p-32 (generations "
+                           f"{', '.join(HBM)})")
+
+
+def load_experiment(spec: str):
+    """`path/to/experiment.py[:args]`'s config."""
+    path, _, arg = spec.partition(".py")
+    path += ".py"
+    if not os.path.isfile(path) or (arg and not arg.startswith(":")):
+        raise CommandLineError(f"--config {spec!r}: give an experiment file, e.g. "
+                               "experiments/qwen3_30b_a3b.py:devices=16,expert=8")
+    return configs.import_file(path).get_config(arg[1:] or None)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def collectives(hlo: str) -> dict[str, int]:
+    """Each collective op of a compiled HLO text and how many instructions run it."""
+    found = re.findall(r"\s(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(", hlo)
+    return {op: found.count(op) for op in _COLLECTIVES if op in found}
+
+
+def compile_learner(config, devices) -> tuple[dict, object]:
+    """The experiment's update compiled for `devices`: the figures `run` stores."""
+    from espo_jax.models import init_params
+    from espo_jax.train import state as state_lib
+    from espo_jax.train.learner import Learner
+
+    model_config = preset_model_config(config)
+    mesh_shape = sharding.mesh_shape(config.mesh, len(devices))
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(mesh_shape), sharding.MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    rules = sharding.rules_from_config(config.mesh)
+    params = _abstract(jax.eval_shape(functools.partial(init_params, model_config),
+                                      jax.random.key(0)),
+                       sharding.param_shardings(model_config, mesh, rules))
+    tx = state_lib.make_optimizer(config.optim, config.train.steps * config.train.updates_per_batch)
+    make = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))
+    with sharding.activation_sharding(mesh, rules):
+        state_shardings = make.lower(params).compile().output_shardings
+    state = _abstract(jax.eval_shape(make, params), state_shardings)
+    learner = Learner(config, model_config, mesh, state_shardings)
+    example = learner._example_batch()
+    batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=learner.batch_sharding),
+        example)
+    rows = jax.ShapeDtypeStruct(example.loss_mask.shape, jnp.float32,
+                                sharding=learner.batch_sharding)
+    batch = batch.replace(old_logp=rows, old_entropy=rows)  # after the old-policy pass
+    start = time.time()
+    with sharding.activation_sharding(mesh, rules):
+        compiled = learner._train_step.lower(state, batch, None).compile()
+    compile_s = time.time() - start
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    tokens = math.prod(example.tokens.shape)
+    out = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp",
+                                                                  "alias")}
+    out = {f"{k}_bytes": v for k, v in out.items()}
+    out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
+                         - out["alias_bytes"])
+    out.update(compile_s=round(compile_s, 1),
+               flops_per_token=float(cost.get("flops", 0.0)) * len(devices) / tokens,
+               collectives=collectives(compiled.as_text()), rows=int(example.tokens.shape[0]),
+               row_tokens=int(example.tokens.shape[1]),
+               micro_batches=int(config.train.micro_batches))
+    return out, model_config
+
+
+def run(quick: bool = False, config: str | None = None, topology: str | None = None) -> dict:
+    if not config or not topology:
+        raise CommandLineError("bench aot needs --config EXPERIMENT and --topology TOPOLOGY")
+    gen, name, chips = parse_topology(topology)
+    experiment = load_experiment(config)
+    n_mesh = math.prod(sharding.mesh_shape(experiment.mesh, chips))
+    config_validation.validate(experiment, n_devices=n_mesh, check_paths=False)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # beside other JAX processes
+    try:
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+    except Exception as e:  # noqa: BLE001 (libtpu absent or refusing the name)
+        raise CommandLineError(f"cannot build TPU topology {name}: {e} (the TPU compiler comes "
+                               "with pip install -e '.[tpu]')") from None
+    learner, model_config = compile_learner(experiment, devices)
+    hbm = HBM[gen]
+    figures = {
+        "topology": name, "chips": chips, "hbm_bytes": hbm, "config": config,
+        "n_layers": model_config.n_layers, "layers_compiled": model_config.n_layers,
+        "params": model_config.param_count(), "master_dtype": MASTER_DTYPE,
+        "moment_dtype": experiment.optim.moment_dtype, "learner": learner,
+    }
+    print(f"{config} on {name} ({chips} chips, {hbm / GIB:.0f} GiB HBM each), "
+          f"{model_config.n_layers} layers, compiled in {learner['compile_s']} s")
+    for key in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes"):
+        print(f"  learner {key:15s} {learner[key] / GIB:9.2f} GiB")
+    print(f"  learner peak: {learner['peak_bytes'] / hbm:.1%} of HBM "
+          f"({'fits' if learner['peak_bytes'] <= 0.9 * hbm else 'does not fit'} at 90%); "
+          f"collectives {learner['collectives']}")
+    return figures
