@@ -42,10 +42,14 @@ GGUF = [
     "accelerate==1.15.0",
 ]
 PARQUET = ["pyarrow==26.0.1"]  # Parquet prompt files (`task="files"`)
+# The TPU compiler (libtpu), jax's own `tpu` extra: `bench aot` compiles a learner for a TPU
+# slice on a CPU host; a TPU VM runs with it.
+TPU = ["jax[tpu]==0.10.2"]
 
 EXTRAS = {
     "gguf": GGUF,
     "parquet": PARQUET,
+    "tpu": TPU,
     "test": [
         "pytest==9.2.0",
         "pytest-xdist==3.8.0",
@@ -54,6 +58,7 @@ EXTRAS = {
         "ruff==0.17.6",
         *GGUF,  # also the Hugging Face reference models of the model tests
         *PARQUET,
+        *TPU,  # CI compiles the tiny MoE's update for a TPU slice (tests/bench/test_aot.py)
         # `bench peers`: TRL's GRPOTrainer on the same workload (with the versions it pulls).
         "trl==1.16.0",
         "datasets==5.2.0",

@@ -272,7 +272,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
         errors.append("config.zve.tie_break.wrong_score='step_credit' needs worked solutions to "
                       "score steps against (task 'arith_chains') and stage 2 on "
                       f"(zve.tie_break.enabled); got task {task!r}, "
-                      f"enabled={config.zve.tie_break.enabled}")
+                      f"enabled={config.zve.tie_break.enabled}: for another task set "
+                      "--config.zve.tie_break.wrong_score=zero")
     if config.advantage.overlong_buffer > config.rollout.max_new_tokens:
         errors.append(f"config.advantage.overlong_buffer={config.advantage.overlong_buffer} must "
                       f"be <= rollout.max_new_tokens={config.rollout.max_new_tokens}")

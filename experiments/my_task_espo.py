@@ -29,7 +29,7 @@ def get_config(arg: str | None = None):
     c.task = os.path.join(os.path.dirname(os.path.abspath(__file__)), "my_task.py") + ":task"
     c.loss.name = "espo"
     c.loss.vocab_size = 128  # |V| of the `small` preset (character tokenizer)
-    c.rollout.max_prompt_len = 9  # bos + "999+999="
+    c.rollout.max_prompt_len = 0  # sized from the prompts (9 here: bos + "999+999=")
     c.rollout.max_new_tokens = 6  # "1998" + eos
     c.rollout.prompts_per_step = 32
     c.zve.n_samples = 8

@@ -335,12 +335,16 @@ def test_warm_start_only_run_with_a_time_budget(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
+@pytest.mark.parametrize("name", ["deepseek_v3"])
 def test_family_small_variant_in_the_worker_layout(name, tmp_path):
-    """The DeepSeek-V3 / GLM-4.5 small variants through the main job in the worker layout
+    """The DeepSeek-V3 small variant through the main job in the worker layout
     (`train.loop=async`: spawned rollout workers, the buffer, weight publication), router
     replay R3 on: 2 RL steps, every update applied, the rollouts' log-probs of a step read on
-    policy within 0.01 of the learner's, as in the single-process runs."""
+    policy within 0.01 of the learner's, as in the single-process runs. One family: the
+    workers run the engine and the learner the step every family runs in the single process
+    (`test_small_variant_runs_two_rl_steps`); DeepSeek-V3's MLA caches and sigmoid router are
+    the ones furthest from the default experiment's (the GLM-4.5 and Qwen3.5 runs here took
+    100 and 167 s of a cold suite)."""
     config = load(name, "small")
     assert (config.train.replay, config.model.preset) == ("r3", FAMILY_PRESETS[name])
     workdir = str(tmp_path / name)

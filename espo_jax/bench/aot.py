@@ -25,9 +25,11 @@ import os
 import re
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from espo_jax import config_validation, configs, sharding
 from espo_jax.cli_errors import CommandLineError
@@ -69,6 +71,31 @@ def load_experiment(spec: str):
     return configs.import_file(path).get_config(arg[1:] or None)
 
 
+def state_bytes(config, mesh, rules=sharding.DEFAULT_RULES) -> dict[str, int]:
+    """Per-device bytes of the float32 master parameters and of the AdamW state
+    (`train.state.make_optimizer`, moments as `optim.moment_dtype`'s default) on `mesh` (a Mesh
+    or AbstractMesh); exact, from abstract arrays."""
+    from espo_jax.models.transformer import init_boxed
+    from espo_jax.train.state import make_optimizer
+
+    boxed = jax.eval_shape(functools.partial(
+        init_boxed, config.replace(param_dtype=MASTER_DTYPE)), jax.random.key(0))
+    shapes = nn.meta.unbox(boxed)
+    shards = jax.tree.leaves(sharding.logical_to_mesh_shardings(
+        nn.get_partition_spec(boxed), mesh, rules),
+        is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+    params = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x, s in zip(jax.tree.leaves(shapes), shards, strict=True))
+    opt = jax.eval_shape(make_optimizer(configs.default_config().optim, 10).init, shapes)
+    moments = [x for x in jax.tree.leaves(opt) if x.ndim]
+    # AdamW keeps mu and nu: two copies of every parameter, sharded as the parameter
+    if [(x.shape, x.dtype) for x in moments] != [(x.shape, x.dtype)
+                                                 for x in jax.tree.leaves(shapes)] * 2:
+        raise ValueError("the optimizer state is not two parameter-shaped moments")
+    scalars = sum(x.dtype.itemsize for x in jax.tree.leaves(opt) if not x.ndim)
+    return {"params": params, "optimizer": 2 * params + scalars}
+
+
 def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         tree, shardings)
@@ -91,14 +118,19 @@ def compile_learner(config, devices) -> tuple[dict, object]:
     mesh = jax.sharding.Mesh(np.array(devices).reshape(mesh_shape), sharding.MESH_AXES,
                              axis_types=(jax.sharding.AxisType.Auto,) * 4)
     rules = sharding.rules_from_config(config.mesh)
+    param_shardings = sharding.param_shardings(model_config, mesh, rules)
     params = _abstract(jax.eval_shape(functools.partial(init_params, model_config),
-                                      jax.random.key(0)),
-                       sharding.param_shardings(model_config, mesh, rules))
+                                      jax.random.key(0)), param_shardings)
     tx = state_lib.make_optimizer(config.optim, config.train.steps * config.train.updates_per_batch)
-    make = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))
-    with sharding.activation_sharding(mesh, rules):
-        state_shardings = make.lower(params).compile().output_shardings
-    state = _abstract(jax.eval_shape(make, params), state_shardings)
+    shapes = jax.eval_shape(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)),
+                            params)
+    # the moments sharded as their parameters, the counts (and the rng) replicated
+    replicated = sharding.replicated(mesh)
+    state_shardings = shapes.replace(
+        params=param_shardings, step=replicated, skipped=replicated, rng=replicated,
+        opt_state=optax.tree_map_params(tx, lambda _, s: s, shapes.opt_state, param_shardings,
+                                        transform_non_params=lambda _: replicated))
+    state = _abstract(shapes, state_shardings)
     learner = Learner(config, model_config, mesh, state_shardings)
     example = learner._example_batch()
     batch = jax.tree.map(
@@ -108,13 +140,21 @@ def compile_learner(config, devices) -> tuple[dict, object]:
                                 sharding=learner.batch_sharding)
     batch = batch.replace(old_logp=rows, old_entropy=rows)  # after the old-policy pass
     start = time.time()
+    tokens = math.prod(example.tokens.shape)
+    shape = dict(rows=int(example.tokens.shape[0]), row_tokens=int(example.tokens.shape[1]),
+                 micro_batches=int(config.train.micro_batches))
     with sharding.activation_sharding(mesh, rules):
-        compiled = learner._train_step.lower(state, batch, None).compile()
+        lowered = learner._train_step.lower(state, batch, None)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program over HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return _refused(str(e), time.time() - start, shape), model_config
     compile_s = time.time() - start
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    tokens = math.prod(example.tokens.shape)
     out = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp",
                                                                   "alias")}
     out = {f"{k}_bytes": v for k, v in out.items()}
@@ -122,10 +162,17 @@ def compile_learner(config, devices) -> tuple[dict, object]:
                          - out["alias_bytes"])
     out.update(compile_s=round(compile_s, 1),
                flops_per_token=float(cost.get("flops", 0.0)) * len(devices) / tokens,
-               collectives=collectives(compiled.as_text()), rows=int(example.tokens.shape[0]),
-               row_tokens=int(example.tokens.shape[1]),
-               micro_batches=int(config.train.micro_batches))
+               collectives=collectives(compiled.as_text()), **shape)
     return out, model_config
+
+
+def _refused(message: str, seconds: float, shape: dict) -> dict:
+    """The figures of a program XLA:TPU refused for HBM: the temporaries it needed (its
+    message: "the total memory required for HLO temporaries (246.73G) exceeds ...")."""
+    m = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
+    temp = None if m is None else int(float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024)
+    return {"refused": message.splitlines()[0][:400], "temp_bytes": temp, "peak_bytes": None,
+            "compile_s": round(seconds, 1), **shape}
 
 
 def run(quick: bool = False, config: str | None = None, topology: str | None = None) -> dict:
@@ -153,6 +200,9 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
     }
     print(f"{config} on {name} ({chips} chips, {hbm / GIB:.0f} GiB HBM each), "
           f"{model_config.n_layers} layers, compiled in {learner['compile_s']} s")
+    if learner["peak_bytes"] is None:
+        print(f"  learner does not fit: {learner['refused']}")
+        return figures
     for key in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes"):
         print(f"  learner {key:15s} {learner[key] / GIB:9.2f} GiB")
     print(f"  learner peak: {learner['peak_bytes'] / hbm:.1%} of HBM "

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from espo_jax.zve.groups import ScoredGroup, known_outcomes
+from espo_jax.zve.groups import ScoredGroup, known_outcomes, reward_failed
 
 
 def _flat(values: np.ndarray) -> bool:
@@ -130,9 +130,11 @@ def length_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup
                    dropped_lengths: Sequence[int] = ()) -> dict[str, float]:
     """`lengths/...` scalars for one step (module docstring): "generated" are the responses
     of `generated` plus `dropped_lengths` (those of groups dropped before MS-ZVE saw them: the
-    worker layout's stale groups), "trained" those of `batch`."""
+    worker layout's stale groups), "trained" those of `batch` that enter the loss (not the
+    responses whose reward failed: their loss mask is 0, `train.advantages.trained_responses`)."""
     made = [int(t) for g in generated for t in g.lengths] + [int(t) for t in dropped_lengths]
-    trained = [int(t) for g in batch for t in g.lengths]
+    trained = [int(t) for g in batch for t, failed in zip(g.lengths, reward_failed(g),
+                                                          strict=True) if not failed]
     (gen_mean, gen_p90), (tr_mean, tr_p90) = _mean_p90(made), _mean_p90(trained)
     return {"lengths/generated_mean": gen_mean, "lengths/generated_p90": gen_p90,
             "lengths/trained_mean": tr_mean, "lengths/trained_p90": tr_p90}

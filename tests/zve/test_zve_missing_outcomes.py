@@ -217,3 +217,13 @@ def test_pipeline_step_logs_lengths_and_missing_outcomes():
     assert m["lengths/trained_mean"] == 3.0 and m["zve/missing_outcomes"] == 1.0
     assert zve.scheduler.trials == [2.0, 2.0, 1.0]  # p2: one known outcome of 2
     np.testing.assert_array_equal(batch[0].rewards, [1.0, 0.0])
+
+
+def test_length_metrics_leave_failed_responses_out_of_the_trained():
+    """A response whose reward failed is in the batch (packed like the others) but its loss
+    mask is 0: `lengths/trained_*` counts only the responses the loss trains on."""
+    g = scored([1, F, 0, F], [2, 40, 6, 50])
+    m = length_metrics([g], [g])
+    # generated 2 40 6 50: mean 24.5; trained 2 6: mean 4, p90 at 0.9 of [2, 6]: 2 + 0.9 * 4
+    assert (m["lengths/generated_mean"], m["lengths/trained_mean"]) == (24.5, 4.0)
+    assert m["lengths/trained_p90"] == pytest.approx(5.6)
