@@ -17,22 +17,14 @@ transformers' DeepseekV3Config defaults (V3's config.json) plus its rope_scaling
 Measured: not run at full scale (no GPU run). On paper: 671,026,419,200 parameters,
 37,552,297,472 active per token (embeddings included; `ModelConfig.param_count`, the same as
 `jax.eval_shape`'s; published: 671B / 37B, the multi-token-prediction layer not counted).
-Per device on the 256-device learner mesh (fsdp 32 x expert 8; `espo_jax.bench.memory_plan`,
-tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026-12-05):
+Per device on the 256-device learner mesh (fsdp 32 x expert 8; `espo_jax.bench.aot.state_bytes`,
+tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026-12-07):
   - float32 master parameters: 12,360,988,672 bytes (11.51 GiB): experts / 256, the rest / 32, norms
     and correction biases whole
   - AdamW state (two float32 moments): 24,721,977,352 bytes (23.02 GiB)
-  - temporaries of one micro-batch's gradient (one 16k row per batch shard, remat, attention
-    chunks of 1024, logits in chunks of 512), CPU XLA's buffer assignment: the slices
-    "1 dense + 1 MoE layer" and "1 dense + 2 MoE layers" compiled (every layer takes too long
-    on a few CPU cores), 7,002,117,575,744 and 7,126,103,851,376 bytes; scaled to 61 layers at
-    the difference per layer: 14,317,307,838,032 bytes (13.0 TiB). This does NOT fit, for two
-    reasons measured here: the MoE dispatch sorts the assignments of all the mesh's tokens
-    together (the sort is not partitioned: on 8 devices of the tiny preset the ragged
-    dispatch's temporaries grow with the device count, the dense one's do not), and CPU XLA
-    expands `lax.ragged_dot` over every expert group (the 1 + 1 slice on one device with one
-    16k row: 3.7 TB). A per-shard dispatch (shard_map, an all-to-all over `expert`) and a
-    compile for the accelerator are what a usable figure needs.
+  - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
+    it: `python -m espo_jax.bench aot --config experiments/deepseek_v3.py --topology v5p-512`
+    (experiments/results/README.md, "Fit on TPU").
 
 Laptop-size variant (tiny random DeepSeek-V3 of the same family: MLA, YaRN, groups, shared
 expert, dense first layer; arithmetic, JAX engine, sync loop; what the tests run):

@@ -19,21 +19,14 @@ zai-org/GLM-4.5-Air's config.json (also slime's glm4.5-106B-A12B launch script: 
 Measured: not run at full scale (no GPU run). On paper: 106,852,251,264 parameters,
 13,424,129,664 active per token, 12,182,615,808 without the embeddings (published: 106B / 12B;
 `ModelConfig.param_count`, the same as `jax.eval_shape`'s).
-Per device on the 32-device learner mesh (fsdp 32; `espo_jax.bench.memory_plan`,
-tests/test_scale_configs.py), from abstract arrays on 32 fake CPU devices (2026-12-05):
+Per device on the 32-device learner mesh (fsdp 32; `espo_jax.bench.aot.state_bytes`,
+tests/test_scale_configs.py), from abstract arrays on 32 fake CPU devices (2026-12-07):
   - float32 master parameters: 13,360,585,216 bytes (12.44 GiB): all / 32 but norms,
     q/k/v biases and correction biases (whole)
   - AdamW state (two float32 moments): 26,721,170,440 bytes (24.89 GiB)
-  - temporaries of one micro-batch's gradient (one 16k row per device, remat, attention chunks
-    of 1024, logits in chunks of 512), CPU XLA's buffer assignment: the slices "1 dense + 1 MoE
-    layer" and "1 dense + 2 MoE layers" compiled, 20,215,752,379,648 and 20,545,221,711,472
-    bytes; scaled to 46 layers at the difference per layer: 34,712,402,979,904 bytes (31.6 TiB).
-    This does NOT fit, for two reasons measured here: the MoE dispatch sorts the assignments of
-    all the mesh's tokens together (the sort is not partitioned: on 8 devices of the tiny preset
-    the ragged dispatch's temporaries grow with the device count, the dense one's do not), and
-    CPU XLA expands `lax.ragged_dot` over every expert group (DeepSeek-V3's 1 + 1 slice on one
-    device with one 16k row: 3.7 TB). A per-shard dispatch (shard_map, an all-to-all over
-    `expert`) and a compile for the accelerator are what a usable figure needs.
+  - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
+    it: `python -m espo_jax.bench aot --config experiments/glm45_air.py --topology v5p-64`
+    (experiments/results/README.md, "Fit on TPU").
 
 Laptop-size variant (tiny random GLM-4.5 of the same family: partial rotary, q/k/v bias, sigmoid
 router with a shared expert and a dense first layer; arithmetic, JAX engine, sync loop):

@@ -26,26 +26,14 @@ Train-inference mismatch on the tiny random family (experts x4; 32 responses of 
 2026-12-05, 2-core AMD EPYC): a bf16 engine's mean |dlogp| 8.9e-3 without router replay, 2.1e-3
 with R3 (9.2e-2 -> 2.2e-3 at the tokens whose routing flipped); FP8 weights 2.8e-2 -> 1.2e-2
 (tests/rollout/test_engine_qwen3_next.py).
-Per device on the 16-device learner mesh (fsdp 2 x expert 8; `espo_jax.bench.memory_plan`,
-tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-12-05):
+Per device on the 16-device learner mesh (fsdp 2 x expert 8; `espo_jax.bench.aot.state_bytes`,
+tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-12-07):
   - float32 master parameters: 12,952,095,232 bytes (12.06 GiB): experts / 16, the rest /
     2; norms, conv kernels, A_log and dt_bias whole
   - AdamW state (two float32 moments): 25,904,190,472 bytes (24.13 GiB)
-  - temporaries of one micro-batch's gradient (one 16k row per batch shard, remat, attention
-    chunks of 1024, Gated DeltaNet chunks of 64, logits in chunks of 512), CPU XLA's buffer
-    assignment: the slices "linear + full layer" and "2 linear + full layer" compiled,
-    368,059,066,960 and 388,147,579,448 bytes; scaled to 40 layers at the difference per
-    layer (18.7 GiB, where remat keeps a 64 MiB layer input): 1,131,422,541,504 bytes
-    (1.03 TiB). This does NOT fit, for two reasons. The MoE dispatch is most of a slice (as
-    for DeepSeek-V3, experiments/deepseek_v3.py: the unpartitioned global sort, CPU XLA's
-    expanded `lax.ragged_dot`): with dense MLPs of 512 in place of the MoE blocks the slices
-    compile to 25,438,027,448 and 42,634,442,768 bytes (measured once, not held by the test).
-    But the per-layer increment stays (17,196,415,320 bytes with dense MLPs, about 1 MiB per
-    token): CPU XLA keeps far more than a layer's input across layers, with or without remat
-    (one device, dense MLPs, 4k tokens: a second full-attention layer adds 679,137,664 bytes,
-    a second Gated DeltaNet layer 4,498,950,720, its chunked rule's float32 tensors the likely
-    share). A usable figure needs that found and fixed, a per-shard dispatch, and a compile
-    for the accelerator.
+  - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
+    it: `python -m espo_jax.bench aot --config experiments/qwen35_moe.py --topology v5p-32`
+    (experiments/results/README.md, "Fit on TPU").
 
 Laptop-size variant (tiny random Qwen3.5-MoE: linear and full layers, grouped value heads,
 chunks of 8; arithmetic, JAX engine, sync loop, packed rows sharing prompts; what the tests
