@@ -175,6 +175,15 @@ def _refused(message: str, seconds: float, shape: dict) -> dict:
             "compile_s": round(seconds, 1), **shape}
 
 
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def run(quick: bool = False, config: str | None = None, topology: str | None = None) -> dict:
     if not config or not topology:
         raise CommandLineError("bench aot needs --config EXPERIMENT and --topology TOPOLOGY")
@@ -194,6 +203,7 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
     hbm = HBM[gen]
     figures = {
         "topology": name, "chips": chips, "hbm_bytes": hbm, "config": config,
+        "date": time.strftime("%Y-%m-%d"), "libtpu": _version("libtpu"),
         "n_layers": model_config.n_layers, "layers_compiled": model_config.n_layers,
         "params": model_config.param_count(), "master_dtype": MASTER_DTYPE,
         "moment_dtype": experiment.optim.moment_dtype, "learner": learner,
