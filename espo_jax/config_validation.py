@@ -13,16 +13,15 @@ import os
 import ml_collections
 
 from espo_jax import sharding
+from espo_jax.choices import MOMENT_DTYPES, REPLAY_MODES
 from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
 from espo_jax.rewards.pool import BACKENDS as REWARD_BACKENDS
 from espo_jax.rollout.decode import PRECISIONS
-from espo_jax.train.step import REPLAY_MODES
 
 LOOPS = ("sync", "async")
 ENGINES = ("jax", "vllm")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 MODES = ("train", "rollout")
-MOMENT_DTYPES = ("float32", "bfloat16")  # optim.moment_dtype
 
 
 def _get(config, key: str):

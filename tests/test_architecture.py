@@ -3,7 +3,9 @@
 Every import statement is read from the source (function-level imports too, since a lazy import
 is still a dependency), resolved to a module of the package, and checked against the rules:
 models and rl know nothing of the pipeline, the buffer contract knows neither side nor JAX,
-rollout and rewards never reach into train, and no two modules import each other in a circle.
+rollout and rewards never reach into train, and no two modules import each other in a circle;
+the package rules hold through intermediate modules too (a worker importing config validation
+must not reach the learner).
 """
 
 from __future__ import annotations
@@ -97,8 +99,34 @@ def violations(root: pathlib.Path) -> list[str]:
         for m in sorted(seen):
             if _package(m) != pkg and any(t.split(".")[0] in JAX_LIBS for t, _ in graph[m]):
                 errors.append(f"{pkg} reaches {m}, which imports JAX")
+    # Transitively too: a rollout worker validating its config reached the learner through
+    # config_validation (-> train.step, for the replay modes), against the data's direction.
+    for src, banned, why in RULES:
+        if banned is None:
+            continue
+        for mod in (m for m in graph if _package(m) == src):
+            via = reached(graph, mod)
+            for target in sorted(via):
+                if (len(via[target]) > 2 and _package(target) in banned  # direct: above
+                        and _package(target) != src
+                        and not any((m, target) in EXCEPTIONS for m in graph)):
+                    errors.append(f"{mod} reaches {target} ({' -> '.join(via[target])}): {why}")
     errors += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return errors
+
+
+def reached(graph: dict[str, list[tuple[str, int]]], start: str) -> dict[str, list[str]]:
+    """Every module of the package `start` imports, directly or not, with one import chain."""
+    chain = {start: [start]}
+    todo = [start]
+    while todo:
+        m = todo.pop()
+        for target, _ in graph.get(m, []):
+            if target in graph and target not in chain:
+                chain[target] = chain[m] + [target]
+                todo.append(target)
+    del chain[start]
+    return chain
 
 
 def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
@@ -164,6 +192,8 @@ def test_a_forbidden_import_is_caught(tmp_path):
         "rollout/worker.py": "def main():\n    from espo_jax.train import step\n",
         "rewards/__init__.py": "", "rewards/a.py": "from . import b\n",
         "rewards/b.py": "def f():\n    from espo_jax.rewards import a\n",
+        "rollout/cli.py": "from espo_jax import config_validation\n",
+        "config_validation.py": "from espo_jax.train.step import REPLAY_MODES\n",
     })
     errors = violations(root)
     assert "espo_jax.rl.losses (line 1) imports espo_jax.train.step: losses and advantages " \
@@ -176,4 +206,8 @@ def test_a_forbidden_import_is_caught(tmp_path):
     assert "espo_jax.rollout.worker (line 2) imports espo_jax.train.step: rollout never " \
            "imports train" in errors
     assert "import cycle: espo_jax.rewards.a -> espo_jax.rewards.b" in errors
-    assert len(errors) == 6, errors
+    # through a module outside the banned package: a worker validating its config
+    assert ("espo_jax.rollout.cli reaches espo_jax.train.step (espo_jax.rollout.cli -> "
+            "espo_jax.config_validation -> espo_jax.train.step): rollout never imports train"
+            ) in errors
+    assert len(errors) == 7, errors

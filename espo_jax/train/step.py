@@ -26,8 +26,6 @@ from espo_jax.rl.advantages import zvp_token_advantages
 from espo_jax.train.batch import RLBatch
 from espo_jax.train.state import TrainState, apply_gradients
 
-REPLAY_MODES = ("r3", "r2", "off")
-
 
 def compiler_options(model_config=None) -> dict[str, str] | None:
     """XLA options of the learner's programs (`jax.jit(..., compiler_options=...)`): on CPU,
