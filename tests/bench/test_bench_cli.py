@@ -8,7 +8,7 @@ import sys
 import pytest
 
 NAMES = ("model, buffer, engine, zve, attention, peers, packing, profile, device_check, "
-         "linear_decode, real, mla_decode")
+         "linear_decode, real, mla_decode, aot")
 
 
 @pytest.mark.parametrize("args, message", [
