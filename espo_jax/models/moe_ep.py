@@ -111,6 +111,16 @@ def _local(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, local,
     recv_P = jax.lax.all_to_all(send_P, EXPERT_AXIS, 0, 0, tiled=True)
     recv_start_P = _offsets(recv_P)
     rows = ep * slot
+    # each received row's source and place in that source's block; rows past the received
+    # ones are invalid
+    i_R = jnp.arange(rows)
+    src_R = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_P), i_R, side="right"), 0, ep - 1)
+    r_R = i_R - recv_start_P[src_R]
+    valid_R = i_R < jnp.sum(recv_P)
+    # each of my sorted assignments' device and place in my block for it
+    dev_A = sorted_e_A // n_local
+    rank_A = jnp.arange(a) - start_P[dev_A]
+    kept_A = rank_A < slot
 
     if ragged:  # where my rows land on each receiver, where theirs landed on me
         sent_PxP = jax.lax.all_gather(send_P, EXPERT_AXIS)  # [source, receiver]
@@ -119,15 +129,11 @@ def _local(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, local,
             xs_AxD, jnp.zeros((rows, xs_AxD.shape[1]), xs_AxD.dtype), start_P, send_P,
             before_P, recv_P, axis_name=EXPERT_AXIS)
     else:
-        xr_RxD = _dense_exchange(xs_AxD, start_P, send_P, recv_start_P, recv_P, slot)
+        xr_RxD = _dense_exchange(xs_AxD, start_P, send_P, src_R, r_R, valid_R, slot)
 
-    # each received row's source and local expert; rows past the received ones are invalid
-    i_R = jnp.arange(rows)
-    src_R = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_P), i_R, side="right"), 0, ep - 1)
-    r_R = i_R - recv_start_P[src_R]
+    # each received row's local expert
     ends_RxL = jnp.cumsum(recv_PxL, axis=1)[src_R]
     le_R = jnp.minimum(jnp.sum(ends_RxL <= r_R[:, None], axis=1), n_local - 1)
-    valid_R = i_R < jnp.sum(recv_P)
     yr_RxD = _local_experts(xr_RxD, le_R, valid_R, (wg_LxDxF, wu_LxDxF, wo_LxFxD), local)
 
     if ragged:  # back to where each row came from: my start for it there
@@ -136,9 +142,7 @@ def _local(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, local,
             yr_RxD, jnp.zeros_like(xs_AxD), recv_start_P, recv_P, starts_PxP[:, me], send_P,
             axis_name=EXPERT_AXIS)
     else:
-        ys_AxD = _dense_return(yr_RxD, recv_start_P, recv_P, sorted_e_A // n_local, start_P,
-                               send_P, slot)
-    kept_A = jnp.arange(a) - start_P[sorted_e_A // n_local] < slot
+        ys_AxD = _dense_return(yr_RxD, recv_start_P, recv_P, dev_A, rank_A, kept_A, slot)
     ys_AxD = jnp.where(kept_A[:, None], ys_AxD, 0)
     dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32))
     dropped = jax.lax.psum(jnp.sum(~kept_A).astype(jnp.float32), batch) / jax.lax.psum(
@@ -146,30 +150,26 @@ def _local(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, local,
     return _combine(ys_AxD, dest_A, weights_Nxk), dropped
 
 
-def _dense_exchange(xs_AxD, start_P, send_P, recv_start_P, recv_P, slot):
+def _dense_exchange(xs_AxD, start_P, send_P, src_R, r_R, valid_R, slot):
     """The CPU stand-in for the forward ragged all-to-all: device p's rows padded to `slot` in
-    an [ep, slot, D] buffer, a dense all-to-all, the received blocks laid out contiguously."""
-    ep = start_P.shape[0]
+    an [ep, slot, D] buffer, a dense all-to-all, the received blocks laid out contiguously
+    (row R: source `src_R`, place `r_R`)."""
     r_S = jnp.arange(slot)
     src_PxS = jnp.minimum(start_P[:, None] + r_S, xs_AxD.shape[0] - 1)
     buf = jnp.where((r_S < send_P[:, None])[..., None], xs_AxD[src_PxS], 0)
     got = jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0, tiled=True)  # [source, slot, D]
-    i_R = jnp.arange(ep * slot)
-    src_R = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_P), i_R, side="right"), 0, ep - 1)
-    r_R = jnp.minimum(i_R - recv_start_P[src_R], slot - 1)
-    return jnp.where((i_R < jnp.sum(recv_P))[:, None], got[src_R, r_R], 0)
+    return jnp.where(valid_R[:, None], got[src_R, jnp.minimum(r_R, slot - 1)], 0)
 
 
-def _dense_return(yr_RxD, recv_start_P, recv_P, dev_A, start_P, send_P, slot):
+def _dense_return(yr_RxD, recv_start_P, recv_P, dev_A, rank_A, kept_A, slot):
     """The CPU stand-in for the reverse ragged all-to-all: each source's outputs padded to
-    `slot` rows, a dense all-to-all back, each sorted assignment's row picked out."""
+    `slot` rows, a dense all-to-all back, each kept sorted assignment's row (device `dev_A`,
+    place `rank_A`) picked out."""
     r_S = jnp.arange(slot)
     src_PxS = jnp.minimum(recv_start_P[:, None] + r_S, yr_RxD.shape[0] - 1)
     buf = jnp.where((r_S < recv_P[:, None])[..., None], yr_RxD[src_PxS], 0)
     back = jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0, tiled=True)  # [device, slot, D]
-    r_A = jnp.arange(dev_A.shape[0]) - start_P[dev_A]
-    ok_A = r_A < send_P[dev_A]
-    return jnp.where(ok_A[:, None], back[dev_A, jnp.minimum(r_A, slot - 1)], 0)
+    return jnp.where(kept_A[:, None], back[dev_A, jnp.minimum(rank_A, slot - 1)], 0)
 
 
 def _local_experts(x_RxD, le_R, valid_R, w, local: str):
