@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.env import one_device_env
 
 from espo_jax import config_imports, config_validation, configs
 from espo_jax.rl import losses
@@ -102,7 +103,7 @@ def test_my_loss_trains_from_the_command_line(tmp_path):
     the same command without `--config.imports` stops before any work, saying how."""
     command = [sys.executable, "-m", "espo_jax.main", "--config", "experiments/arith_espo.py:small",
                "--config.loss.name=reinforce"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     refused = subprocess.run(command + ["--workdir", str(tmp_path / "refused")], cwd=REPO,
                              env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0

@@ -14,6 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers.env import one_device_env
 from jax.sharding import AbstractMesh, AxisType
 
 from espo_jax import config_validation, configs, plot, sharding
@@ -348,7 +349,7 @@ def test_family_small_variant_in_the_worker_layout(name, tmp_path):
     config = load(name, "small")
     assert (config.train.replay, config.model.preset) == ("r3", FAMILY_PRESETS[name])
     workdir = str(tmp_path / name)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device each
+    env = one_device_env()  # one CPU device each
     subprocess.run([sys.executable, "-m", "espo_jax.main", "--config",
                     f"experiments/{name}.py:small", "--config.train.loop=async",
                     "--workdir", workdir], cwd=REPO, env=env, check=True, timeout=900,

@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+from helpers.env import one_device_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_STALENESS = 1
@@ -15,7 +16,7 @@ MAX_STALENESS = 1
 @pytest.mark.slow
 def test_async_local_runs_and_ends_cleanly(tmp_path):
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env = one_device_env()  # one CPU device
     env.update(WORKDIR=str(workdir), NUM_WORKERS="2", TIMEOUT_S="900", PYTHON="python")
     proc = subprocess.run(
         ["bash", "launch/async_local.sh", "--config.train.steps=3",

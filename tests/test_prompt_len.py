@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.env import one_device_env
 
 from espo_jax import config_validation, configs, task_loading, task_prompts
 from espo_jax.models.tokenizer import CharTokenizer
@@ -151,7 +152,7 @@ def test_readme_reasoning_gym_command_runs(tmp_path):
     assert command[at + 1] == "experiments/arith_espo.py"
     command[at + 1] += ":small"
     command[command.index("--workdir") + 1] = str(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     subprocess.run([sys.executable, *command[1:]], cwd=REPO, env=env, check=True, timeout=900,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(tmp_path / "summary.json") as f:

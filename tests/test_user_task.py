@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.env import one_device_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +41,7 @@ LAYOUTS = {"sync": "arith_espo.py:small", "worker": "arith_espo_async.py:small"}
 def test_user_task_trains_two_steps_in_both_layouts(tmp_path, layout):
     (tmp_path / "utask.py").write_text(TASK_MODULE)
     calls = tmp_path / "calls.txt"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     env.update(PYTHONPATH=str(tmp_path), UTASK_CALLS=str(calls), PYTHONUNBUFFERED="1")
     workdir = tmp_path / "run"
     proc = subprocess.run(

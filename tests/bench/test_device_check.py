@@ -8,6 +8,7 @@ import subprocess
 
 import jax
 import pytest
+from helpers.env import one_device_env
 
 from espo_jax.bench import device_check
 from espo_jax.models import get_preset
@@ -60,8 +61,8 @@ def test_dry_run_every_section(tmp_path):
     block.mkdir()
     (block / "sitecustomize.py").write_text(SITECUSTOMIZE.format(
         blocked=[m for m in device_check.NOT_IN_IMAGE if m != "hypothesis"]))
-    env = dict(os.environ, PYTHONPATH=f"{block}:{ROOT}", DEVICE_SITE=str(tmp_path / "site"))
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on the accelerator (not conftest's eight)
+    # one CPU device, as on the accelerator (not conftest's eight)
+    env = one_device_env(PYTHONPATH=f"{block}:{ROOT}", DEVICE_SITE=str(tmp_path / "site"))
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     proc = subprocess.run([os.path.join(ROOT, "launch", "device_check.sh"), "--dry_run",
                            str(out)], capture_output=True, text=True, env=env, timeout=900)

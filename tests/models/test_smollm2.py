@@ -19,6 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers.env import one_device_env
 
 # The wheel is installed without its dependencies (its `__init__` imports the `llm` CLI), so it
 # is found, not imported. CI installs it (README's test command): there a missing file fails.
@@ -106,7 +107,7 @@ def test_logits_match_transformers_and_engine_greedy_matches_generate(smol):
 
 def test_two_espo_steps_on_chain_sum(smol, tmp_path):
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     proc = subprocess.run(
         [sys.executable, "-m", "espo_jax.main", "--config",
          os.path.join(REPO, "experiments", "smollm2_chain_sum.py:small"),

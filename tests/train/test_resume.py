@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers.env import one_device_env
 
 from espo_jax import sharding
 from espo_jax.models.config import get_preset
@@ -51,7 +52,7 @@ def _start(workdir, log_name, code, *extra):
     log = open(os.path.join(os.path.dirname(workdir), log_name), "w")  # noqa: SIM115
     # One CPU device (no fake devices from conftest), as the command runs outside the tests;
     # the snapshot first on the path (python -m puts the working directory first).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     return subprocess.Popen(_command(workdir, code) + list(extra), cwd=code, stdout=log,
                             stderr=subprocess.STDOUT, env=env), log
 

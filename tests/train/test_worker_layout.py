@@ -18,6 +18,7 @@ import time
 import jax
 import pytest
 from etils import epath
+from helpers.env import one_device_env
 
 from espo_jax import configs, models, run_setup
 from espo_jax.buffer import flow, list_shards, weights
@@ -36,7 +37,7 @@ def _config():
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device each
+    env = one_device_env()  # one CPU device each
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
