@@ -262,6 +262,9 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     if config.model.attention_chunk < 0:
         errors.append(f"config.model.attention_chunk must be >= 0 (0: unchunked attention), got "
                       f"{config.model.attention_chunk}")
+    if config.model.ep_chunk < 0:
+        errors.append(f"config.model.ep_chunk must be >= 0 (0: one expert-parallel exchange), "
+                      f"got {config.model.ep_chunk}")
     if config.model.rope_theta < 0:
         errors.append(f"config.model.rope_theta must be >= 0 (0: the preset's), got "
                       f"{config.model.rope_theta}")

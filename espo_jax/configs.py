@@ -44,6 +44,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.aux_loss_tokens = "real"
     c.model.remat = False  # recompute each block's activations in the backward pass
     c.model.attention_chunk = 0  # > 0: attention over query chunks of this many tokens (memory)
+    c.model.ep_chunk = 0  # > 0: expert-parallel MoE exchanges of this many tokens each (memory)
     # n > 1: the learner's attention in n query blocks that skip the keys after them (always
     # masked); the same up to float summation order. n = 4: the default update 1.06x faster, but
     # each program compiles ~40% longer, a net loss over the default experiment's 120 steps on a

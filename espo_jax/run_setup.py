@@ -111,11 +111,13 @@ def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 def runtime_overrides(config: ml_collections.ConfigDict) -> dict:
     """The model fields a run chooses whatever the weights' architecture (a preset's or a
     Hugging Face config.json's): the parameters' dtype (`MASTER_DTYPE`; the compute dtype stays
-    the model's), MoE dispatch, layer remat, attention chunk and blocks, the aux losses'
-    positions, and the load-balancing loss weight when `config.model.aux_loss_coef` >= 0."""
+    the model's), MoE dispatch and its exchange chunk, layer remat, attention chunk and blocks,
+    the aux losses' positions, and the load-balancing loss weight when
+    `config.model.aux_loss_coef` >= 0."""
     overrides = {"param_dtype": MASTER_DTYPE,
                  "dispatch": config.model.dispatch, "remat": bool(config.model.remat),
                  "attention_chunk": int(config.model.attention_chunk),
+                 "ep_chunk": int(config.model.ep_chunk),
                  "causal_blocks": int(config.model.causal_blocks),
                  "aux_loss_tokens": config.model.aux_loss_tokens}
     if config.model.aux_loss_coef >= 0:

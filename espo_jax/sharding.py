@@ -43,7 +43,12 @@ DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("exp", "expert"),  # expert weights [E, ...]: expert parallel
-    ("embed", "fsdp"),  # weights' model dimension: fully sharded data parallel
+    # weights' model dimension: fully sharded over every device of the batch that is not
+    # already holding a different expert, so the dense weights (attention, embeddings, shared
+    # experts) are not repeated on the devices of an expert group; an expert weight, whose E
+    # took `expert`, gets the second rule (fsdp only). The first rule that is free applies.
+    ("embed", ("fsdp", "expert")),
+    ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

@@ -19,9 +19,9 @@ Measured: not run at full scale (no GPU run). On paper: 671,026,419,200 paramete
 `jax.eval_shape`'s; published: 671B / 37B, the multi-token-prediction layer not counted).
 Per device on the 256-device learner mesh (fsdp 32 x expert 8; `espo_jax.bench.aot.state_bytes`,
 tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026-12-07):
-  - float32 master parameters: 12,360,988,672 bytes (11.51 GiB): experts / 256, the rest / 32, norms
-    and correction biases whole
-  - AdamW state (two float32 moments): 24,721,977,352 bytes (23.02 GiB)
+  - float32 master parameters: 10,852,647,936 bytes (10.11 GiB): experts / 256, the rest / 256 but
+    the MLA up-projections' low-rank side (/ 32), norms and correction biases whole
+  - AdamW state (two float32 moments): 21,705,295,880 bytes (20.21 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
     it: `python -m espo_jax.bench aot --config experiments/deepseek_v3.py --topology v5p-512`
     (experiments/results/README.md, "Fit on TPU").

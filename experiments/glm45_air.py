@@ -40,8 +40,9 @@ max_len (prompt + response tokens).
 Choices where the papers are silent (each can be overridden with `--config.x.y=...`):
   - 1024 prompt tokens + 15360 response tokens; 4 updates per rollout batch (256 responses
     each), one 16k sequence per device per micro-batch: 256 / 32 = 8 micro-batches.
-  - Mesh fsdp 32: 128 experts' weights split on their model dimension like every weight (no
-    repeated attention compute, which an `expert` axis > 1 costs under the current batch rule).
+  - Mesh fsdp 32: 128 experts' weights split on their model dimension like every weight;
+    `:expert=8` makes the MoE layers expert parallel (all-to-all token exchanges; the batch
+    and the dense weights then split over fsdp x expert, so nothing is computed twice).
   - The correction bias is frozen (`model.router_bias_update_rate` 0), the load-balancing loss
     off (the published config trains with the bias).
   - Constant lr after 10 warm-up steps; 500 RL steps; staleness limit 1 policy version.

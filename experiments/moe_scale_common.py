@@ -28,6 +28,9 @@ def espo_config(arg: ml_collections.ConfigDict, preset: str, vocab: int,
     c.model.dispatch = "ragged"  # grouped matmul over experts (lax.ragged_dot)
     c.model.remat = True  # keep only each block's input for the backward pass
     c.model.attention_chunk = 1024  # query chunks: O(1024 T) attention memory, not O(T^2)
+    # expert-parallel exchanges of 2048 tokens: dropless buffers of ep x 2048 x k rows, not
+    # ep x 16k x k (a million rows of d_model per buffer at ep 8, top-8)
+    c.model.ep_chunk = 2048
     c.tokenizer = arg.hf_path.rstrip("/") + "/tokenizer.json"
     c.data.name = "math_jsonl"
     c.data.jsonl_train = arg.train_jsonl
@@ -94,6 +97,7 @@ def small(c: ml_collections.ConfigDict, preset: str,
     c.model.hf_path = ""
     c.model.dispatch = "dropless"
     c.model.attention_chunk = 16  # < the 32-token prompts, so the chunked path runs here too
+    c.model.ep_chunk = 16  # < a device's tokens: expert-parallel exchanges in chunks here too
     c.tokenizer = "char"
     c.data.name = "arith_chains"
     c.loss.vocab_size = 128  # the tiny preset's |V|

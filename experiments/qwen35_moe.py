@@ -28,9 +28,9 @@ with R3 (9.2e-2 -> 2.2e-3 at the tokens whose routing flipped); FP8 weights 2.8e
 (tests/rollout/test_engine_qwen3_next.py).
 Per device on the 16-device learner mesh (fsdp 2 x expert 8; `espo_jax.bench.aot.state_bytes`,
 tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-12-07):
-  - float32 master parameters: 12,952,095,232 bytes (12.06 GiB): experts / 16, the rest /
-    2; norms, conv kernels, A_log and dt_bias whole
-  - AdamW state (two float32 moments): 25,904,190,472 bytes (24.13 GiB)
+  - float32 master parameters: 8,669,501,952 bytes (8.07 GiB): experts and the rest / 16 (fsdp x
+    expert); norms, conv kernels, A_log and dt_bias whole
+  - AdamW state (two float32 moments): 17,339,003,912 bytes (16.15 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
     it: `python -m espo_jax.bench aot --config experiments/qwen35_moe.py --topology v5p-32`
     (experiments/results/README.md, "Fit on TPU").

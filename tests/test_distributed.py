@@ -153,7 +153,13 @@ def test_two_step_training_matches_one_process(runs):
     assert sorted(two) == sorted(one) and len(two) > 10
     max_diff = max(float(np.max(np.abs(two[k] - one[k]))) for k in one)
     print(f"two-process vs one-process max |param diff| after 2 steps: {max_diff:.3g}")
-    assert max_diff <= 1e-6
+    # Not bitwise: the dense weights are split over `expert` too, so their gradients are
+    # reduce-scattered across the two processes (gloo) in another order than within one. Adam's
+    # update is scale-free (lr x m / sqrt(v)), so a gradient's relative rounding difference
+    # (gamma_n ~ 1e-5 here: n = 64 x 2 layers) moves a parameter by that fraction of lr per step;
+    # elements whose gradient is near its own rounding can move further (the worst case, a sign
+    # flip, is 2 lr), so the bound is 1e-4 of the 2 steps' lr-sized movement, not a worst case.
+    assert max_diff <= 1e-4 * 2 * 1e-2
     # The comparison is not vacuous: training moved the parameters (lr 1e-2, Adam: ~1e-2 per
     # step on parameters with a gradient).
     assert runs["one"]["moved_from_init"] > 1e-3

@@ -139,11 +139,12 @@ def test_expert_parallel_variant_splits_experts(model):
     # 128 experts over expert=4 -> 32 per device; d_model 2048 over fsdp=2 -> 1024.
     assert shardings["layers_7"]["moe"]["wo"].shard_shape((128, 768, 2048)) == (32, 768, 1024)
     assert shardings["layers_7"]["moe"]["wi_up"].shard_shape((128, 2048, 768)) == (32, 1024, 768)
-    # Only expert weights use the expert axis; the rest is split over fsdp=2 alone:
+    # The dense weights' model dimension is split over fsdp x expert too; the routers [D, E]
+    # split E over expert and D over fsdp:
     #   experts 48*603_979_776 = 28_991_029_248 / 8 = 3_623_878_656
-    #   embeddings 622_329_856 + attention 48*18_874_368 + routers 48*262_144
-    #     = 1_540_882_432 / 2 = 770_441_216;   + norms 210_944  -> 4_394_530_816
-    assert _check_fit(shapes, shardings, dict(mesh.shape)) == 4_394_530_816
+    #   embeddings 622_329_856 + attention 48*18_874_368 = 1_528_299_520 / 8 = 191_037_440
+    #   routers 48*262_144 / 8 = 1_572_864;   + norms 210_944  -> 3_816_699_904
+    assert _check_fit(shapes, shardings, dict(mesh.shape)) == 3_816_699_904
 
 
 def test_tpu_slice_shardings_without_devices(model):

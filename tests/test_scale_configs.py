@@ -25,11 +25,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # parameters and AdamW state (the preset: the experiment's name unless given).
 FIGURES = {
     "deepseek_v3": dict(devices=256, mesh=(32, 8), total=671_026_419_200,
-                        active=37_552_297_472, params=12_360_988_672, optimizer=24_721_977_352),
+                        active=37_552_297_472, params=10_852_647_936, optimizer=21_705_295_880),
     "glm45_air": dict(devices=32, mesh=(32, 1), total=106_852_251_264, active=13_424_129_664,
                       params=13_360_585_216, optimizer=26_721_170_440),
     "qwen35_moe": dict(preset="qwen35_35b_a3b", devices=16, mesh=(2, 8), total=34_660_610_688,
-                       active=3_454_988_928, params=12_952_095_232, optimizer=25_904_190_472),
+                       active=3_454_988_928, params=8_669_501_952, optimizer=17_339_003_912),
 }
 
 
@@ -97,17 +97,18 @@ def test_mla_and_shared_expert_shardings():
     specs = sharding.logical_specs(c.replace(n_layers=4))  # 3 dense layers + 1 MoE layer
     s = sharding.logical_to_mesh_shardings(specs, _abstract_mesh(32, 8))
     attn, moe = s["layers_3"]["attn"], s["layers_3"]["moe"]
-    # q_a [7168, 1536] and kv_a [7168, 576]: embed over fsdp (the low rank gives way);
-    # q_b [1536, 128*192] and kv_b [512, 128*256]: the low rank over fsdp
-    assert attn["q_a_proj"]["kernel"].shard_shape((7168, 1536)) == (224, 1536)
-    assert attn["kv_a_proj"]["kernel"].shard_shape((7168, 576)) == (224, 576)
+    # q_a [7168, 1536] and kv_a [7168, 576]: embed over fsdp x expert, 7168 / 256 (the low
+    # rank gives way); q_b [1536, 128*192] and kv_b [512, 128*256]: the low rank over fsdp
+    assert attn["q_a_proj"]["kernel"].shard_shape((7168, 1536)) == (28, 1536)
+    assert attn["kv_a_proj"]["kernel"].shard_shape((7168, 576)) == (28, 576)
     assert attn["q_b_proj"]["kernel"].shard_shape((1536, 24576)) == (48, 24576)
     assert attn["kv_b_proj"]["kernel"].shard_shape((512, 32768)) == (16, 32768)
-    assert attn["o_proj"]["kernel"].shard_shape((16384, 7168)) == (16384, 224)
-    # 256 experts over expert=8 -> 32 per device, the model dimension over fsdp=32
+    assert attn["o_proj"]["kernel"].shard_shape((16384, 7168)) == (16384, 28)
+    # 256 experts over expert=8 -> 32 per device, their model dimension over fsdp=32 (expert
+    # is taken); the shared expert is a dense MLP: over fsdp x expert
     assert moe["wi_gate"].shard_shape((256, 7168, 2048)) == (32, 224, 2048)
-    assert moe["shared_experts"]["gate_proj"]["kernel"].shard_shape((7168, 2048)) == (224, 2048)
-    assert moe["shared_experts"]["down_proj"]["kernel"].shard_shape((2048, 7168)) == (2048, 224)
+    assert moe["shared_experts"]["gate_proj"]["kernel"].shard_shape((7168, 2048)) == (28, 2048)
+    assert moe["shared_experts"]["down_proj"]["kernel"].shard_shape((2048, 7168)) == (2048, 28)
     # the rules are the config's: with q_lora unmapped q_b keeps its rank dim whole
     mesh = AbstractMesh((1, 8, 1, 4), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     default = sharding.logical_to_mesh_shardings(specs, mesh)["layers_3"]["attn"]
@@ -123,10 +124,12 @@ def test_state_bytes_per_device(name):
     c = get_preset(_preset(name))
     got = aot.state_bytes(c, _abstract_mesh(*f["mesh"]))
     assert (got["params"], got["optimizer"]) == (f["params"], f["optimizer"])
-    # By hand: the float32 masters split over fsdp (experts also over expert), the RMSNorm scales,
-    # GLM's q/k/v biases (heads -> tensor = 1) and the fp32 correction biases whole; Qwen3.5's
-    # q/k norms, and its Gated DeltaNet layers' conv kernels, A_log, dt_bias and output norm.
-    d, m = c.d_model, c.n_moe_layers
+    # By hand: the float32 masters split over fsdp x expert (experts: E over expert, their model
+    # dimension over fsdp; MLA's up-projections over fsdp on their low-rank side), the RMSNorm
+    # scales, GLM's q/k/v biases (heads -> tensor = 1) and the fp32 correction biases whole;
+    # Qwen3.5's q/k norms, and its Gated DeltaNet layers' conv kernels, A_log, dt_bias and
+    # output norm.
+    d, m, lora = c.d_model, c.n_moe_layers, 0
     biases = m * c.n_experts if c.router == "sigmoid_group" else 0
     experts = m * c.n_experts * 3 * d * c.d_expert
     norms = c.n_layers * 2 * d + d
@@ -140,11 +143,15 @@ def test_state_bytes_per_device(name):
     elif c.attention == "mla":
         norms += c.n_layers * (c.q_lora_rank + c.kv_lora_rank)
         whole = norms
+        lora = c.n_layers * c.n_heads * (
+            c.q_lora_rank * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+            + c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim))
     else:
         whole = norms + c.n_layers * c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
     fsdp, expert = f["mesh"]
-    rest = c.param_count() - experts - whole - biases
-    assert f["params"] == 4 * (experts // (fsdp * expert) + rest // fsdp + whole + biases)
+    rest = c.param_count() - experts - whole - biases - lora
+    assert f["params"] == 4 * (experts // (fsdp * expert) + rest // (fsdp * expert)
+                               + lora // fsdp + whole + biases)
     # AdamW: two float32 moments per parameter, plus two int32 step counts (Adam's bias
     # correction, the learning-rate schedule's)
     assert f["optimizer"] == 2 * f["params"] + 8

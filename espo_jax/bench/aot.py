@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo_jax import config_validation, configs, sharding
+from espo_jax import config_validation, configs, run_record, sharding
 from espo_jax.cli_errors import CommandLineError
 from espo_jax.run_setup import MASTER_DTYPE, preset_model_config
 
@@ -151,19 +151,77 @@ def compile_learner(config, devices) -> tuple[dict, object]:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             return _refused(str(e), time.time() - start, shape), model_config
-    compile_s = time.time() - start
+    out = _figures(compiled, time.time() - start, tokens, len(devices))
+    out.update(shape)
+    return out, model_config
+
+
+def _split_first(tree, mesh):
+    """Each array split over all of `mesh`'s devices along its first axis they divide
+    (replicated when none does)."""
+    n = mesh.devices.size
+
+    def one(x):
+        for axis, size in enumerate(x.shape):
+            if size % n == 0:
+                spec = [None] * len(x.shape)
+                spec[axis] = tuple(mesh.axis_names)
+                return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    return jax.tree.map(one, tree)
+
+
+def compile_engine(config, devices) -> dict:
+    """The embedded engine's decode call (`rollout.steps_per_sync` steps over
+    `rollout.num_slots` slots, a cache of `max_prompt_len + max_new_tokens` positions, weights
+    at `rollout.precision`) compiled for `devices`: every weight and cache array split over
+    the chips along its first axis they divide, the rest placed by XLA's partitioner."""
+    from espo_jax.models import init_params
+    from espo_jax.rollout import decode
+
+    model_config = preset_model_config(config)
+    r = config.rollout
+    slots, context = int(r.num_slots), int(r.max_prompt_len + r.max_new_tokens)
+    mesh_shape = sharding.mesh_shape(config.mesh, len(devices))
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(mesh_shape), sharding.MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    engine_config = decode.engine_params({}, model_config, r.precision)[1]
+    params = jax.eval_shape(
+        lambda key: decode.engine_params(init_params(model_config, key), model_config,
+                                         r.precision)[0], jax.random.key(0))
+    state = jax.eval_shape(functools.partial(decode._init_state, engine_config, slots, context,
+                                             8))
+    params, state = (_abstract(t, _split_first(t, mesh)) for t in (params, state))
+    steps = int(r.steps_per_sync)
+    start = time.time()
+    lowered = decode.generate_jit.lower(engine_config, steps, params, state)
+    shape = dict(slots=slots, context=context, steps=steps, precision=r.precision)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _refused(str(e), time.time() - start, shape)
+    out = _figures(compiled, time.time() - start, tokens=slots * steps, n_devices=len(devices))
+    out.update(shape)
+    return out
+
+
+def _figures(compiled, compile_s: float, tokens: int, n_devices: int) -> dict:
+    """A compiled program's per-chip memory (XLA's buffer assignment), FLOPs per token and
+    collectives."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    out = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp",
-                                                                  "alias")}
-    out = {f"{k}_bytes": v for k, v in out.items()}
+    out = {f"{k}_bytes": int(getattr(mem, f"{k}_size_in_bytes"))
+           for k in ("argument", "output", "temp", "alias")}
     out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"]
                          - out["alias_bytes"])
     out.update(compile_s=round(compile_s, 1),
-               flops_per_token=float(cost.get("flops", 0.0)) * len(devices) / tokens,
-               collectives=collectives(compiled.as_text()), **shape)
-    return out, model_config
+               flops_per_token=float(cost.get("flops", 0.0)) * n_devices / tokens,
+               collectives=collectives(compiled.as_text()))
+    return out
 
 
 def _refused(message: str, seconds: float, shape: dict) -> dict:
@@ -200,22 +258,29 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
         raise CommandLineError(f"cannot build TPU topology {name}: {e} (the TPU compiler comes "
                                "with pip install -e '.[tpu]')") from None
     learner, model_config = compile_learner(experiment, devices)
+    engine = compile_engine(experiment, devices)
     hbm = HBM[gen]
+    for part in (learner, engine):
+        part["fits"] = part["peak_bytes"] is not None and part["peak_bytes"] <= 0.9 * hbm
     figures = {
         "topology": name, "chips": chips, "hbm_bytes": hbm, "config": config,
-        "date": time.strftime("%Y-%m-%d"), "libtpu": _version("libtpu"),
+        "date": time.strftime("%Y-%m-%d"), "commit": run_record.git_commit(),
+        "libtpu": _version("libtpu"),
         "n_layers": model_config.n_layers, "layers_compiled": model_config.n_layers,
         "params": model_config.param_count(), "master_dtype": MASTER_DTYPE,
-        "moment_dtype": experiment.optim.moment_dtype, "learner": learner,
+        "moment_dtype": experiment.optim.moment_dtype, "learner": learner, "engine": engine,
     }
     print(f"{config} on {name} ({chips} chips, {hbm / GIB:.0f} GiB HBM each), "
-          f"{model_config.n_layers} layers, compiled in {learner['compile_s']} s")
-    if learner["peak_bytes"] is None:
-        print(f"  learner does not fit: {learner['refused']}")
-        return figures
-    for key in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes"):
-        print(f"  learner {key:15s} {learner[key] / GIB:9.2f} GiB")
-    print(f"  learner peak: {learner['peak_bytes'] / hbm:.1%} of HBM "
-          f"({'fits' if learner['peak_bytes'] <= 0.9 * hbm else 'does not fit'} at 90%); "
-          f"collectives {learner['collectives']}")
+          f"{model_config.n_layers} layers")
+    for label, part in (("learner", learner), ("engine", engine)):
+        print(f"  {label}: compiled in {part['compile_s']} s")
+        if part["peak_bytes"] is None:
+            print(f"  {label} does not fit: {part['refused']}")
+            continue
+        for key in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
+                    "peak_bytes"):
+            print(f"  {label} {key:15s} {part[key] / GIB:9.2f} GiB")
+        print(f"  {label} peak: {part['peak_bytes'] / hbm:.1%} of HBM "
+              f"({'fits' if part['fits'] else 'does not fit'} at 90%); "
+              f"collectives {part['collectives']}")
     return figures

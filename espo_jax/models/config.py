@@ -61,6 +61,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     dispatch: str = "dropless_loop"  # see DISPATCHES and espo_jax/models/moe_dispatch.py
     capacity_factor: float = 1.25  # only for dispatch == "capacity"
+    # expert-parallel MoE (`moe_ep`): n > 0 exchanges each device's tokens in chunks of at most
+    # n, each chunk recomputed in the backward pass, so the dropless receive buffer is ep x n x k
+    # rows, not ep x (all the device's tokens) x k; 0: all of them in one exchange
+    ep_chunk: int = 0
     init_std: float = 0.02  # normal init of kernels and embeddings (HF initializer_range)
     remat: bool = False  # recompute each block's activations in the backward pass (memory)
     # 0: attention materialises [B, H, T, S] scores; n > 0: queries in chunks of n tokens whose
@@ -166,6 +170,8 @@ class ModelConfig:
                           f"takes GQA attention without attention_chunk or causal_blocks; got "
                           f"attention {self.attention!r}, attention_chunk "
                           f"{self.attention_chunk}, causal_blocks {self.causal_blocks}")
+        if self.ep_chunk < 0:
+            errors.append(f"ep_chunk must be >= 0 (0: one exchange), got {self.ep_chunk}")
         if self.capacity_factor <= 0:
             errors.append(f"capacity_factor must be > 0, got {self.capacity_factor}")
         for name in ("dtype", "param_dtype"):

@@ -66,7 +66,8 @@ class MoeBlock(nn.Module):
         if mesh is not None:  # traced on a mesh with expert > 1
             y_NxD, dropped = moe_ep.ep_dispatch(
                 xc, idx_Nxk, weights_Nxk, wg, wu, wo, mesh=mesh, local=c.dispatch,
-                capacity_factor=c.capacity_factor if c.dispatch == "capacity" else None)
+                capacity_factor=c.capacity_factor if c.dispatch == "capacity" else None,
+                chunk=c.ep_chunk)
         elif c.dispatch in ("dropless", "dropless_loop"):
             y_NxD = dropless_dispatch(xc, idx_Nxk, weights_Nxk, wg, wu, wo,
                                       loop=c.dispatch == "dropless_loop")

@@ -21,6 +21,14 @@ assignments, ep devices on `expert`, L = E / ep local experts:
    exact dropless dispatch of `moe_dispatch`);
 4. the reverse exchange puts each output where its assignment was, and the gates combine them.
 
+The dropless buffer holds ep x a rows, ep times what a device sends: at 16k tokens per device,
+top-8 and ep 8 that is a million rows of D per buffer. `ModelConfig.ep_chunk` = c > 0 runs steps
+1-4 over the device's tokens in chunks of at most c (a `lax.map`, each chunk under
+`jax.checkpoint`, so the backward pass holds one chunk's buffers at a time, not all of them):
+the buffers shrink to ep x c x k rows, still dropless, for one more forward of the experts.
+A chunk's padding tokens (when c does not divide n) are sent nowhere. With capacity dispatch,
+`slot` applies to each chunk.
+
 The exchange is `lax.ragged_all_to_all` on accelerators. XLA:CPU does not implement it
 (jaxlib 0.10.2, jax-ml/jax#34755), so on CPU a dense `lax.all_to_all` of [ep, slot, D] buffers
 (each source's rows padded to `slot`) stands in: the same rows reach the same places, so the
@@ -71,17 +79,20 @@ def ep_route(route_fn, logits_NxE, bias_E, replay_Nxk, *, mesh):
 
 
 def ep_dispatch(x_NxD, idx_Nxk, weights_Nxk, wg_ExDxF, wu_ExDxF, wo_ExFxD, *, mesh,
-                local: str = "dropless_loop", capacity_factor: float | None = None):
+                local: str = "dropless_loop", capacity_factor: float | None = None,
+                chunk: int = 0):
     """The MoE output [N, D] and the dropped fraction of the assignments, expert parallel over
     `mesh`'s `expert` axis (see the module docstring); `local` names the local experts'
-    dispatch ("ragged": grouped matmul; else the exact dropless one, "dropless_loop" looped)."""
+    dispatch ("ragged": grouped matmul; else the exact dropless one, "dropless_loop" looped);
+    `chunk` > 0: tokens per device per exchange."""
     axes = batch_axes()
     if EXPERT_AXIS not in axes:
         raise ValueError(f"expert-parallel MoE needs the batch split over '{EXPERT_AXIS}' too "
                          f"(the `batch` rule maps to {axes}); add it to config.mesh.rules")
     tok = P(axes)
-    fn = functools.partial(_local, local=local, capacity_factor=capacity_factor,
-                           ragged=mesh.abstract_device.platform != "cpu", batch=axes)
+    fn = functools.partial(_chunked, local=local, capacity_factor=capacity_factor,
+                           ragged=mesh.abstract_device.platform != "cpu", batch=axes,
+                           chunk=chunk)
     w = P(EXPERT_AXIS)
     return jax.shard_map(fn, mesh=mesh, in_specs=(tok, tok, tok, w, w, w),
                          out_specs=(tok, P()), check_vma=False)(
@@ -92,15 +103,52 @@ def _offsets(sizes_P):
     return jnp.cumsum(sizes_P) - sizes_P
 
 
+def _chunked(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, chunk, batch,
+             **kw):
+    """One device's MoE output [n, D] and the dropped fraction, its tokens exchanged in
+    ceil(n / chunk) chunks of equal size m (the last padded with tokens that go nowhere)."""
+    n, k = idx_Nxk.shape
+    w = (wg_LxDxF, wu_LxDxF, wo_LxFxD)
+    if not chunk or chunk >= n:
+        y_NxD, dropped = _local(x_NxD, idx_Nxk, weights_Nxk, *w, **kw)
+        return y_NxD, _fraction(dropped, n * k, batch)
+    c = -(-n // chunk)
+    m = -(-n // c)
+    pad = c * m - n
+    real_N = jnp.arange(c * m) < n
+
+    def split(v):
+        return jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)).reshape(c, m, *v.shape[1:])
+
+    def one(args):
+        x, idx, wts, real = args
+        return _local(x, idx, wts, *w, real_N=real, **kw)
+
+    y_CxMxD, dropped_C = jax.lax.map(jax.checkpoint(one), (
+        split(x_NxD), split(idx_Nxk), split(weights_Nxk), real_N.reshape(c, m)))
+    return y_CxMxD.reshape(c * m, -1)[:n], _fraction(jnp.sum(dropped_C), n * k, batch)
+
+
+def _fraction(dropped, assignments: int, batch):
+    """The mesh's dropped assignments over its assignments."""
+    return jax.lax.psum(dropped, batch) / jax.lax.psum(jnp.float32(assignments), batch)
+
+
 def _local(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, local,
-           capacity_factor, ragged, batch):
+           capacity_factor, ragged, real_N=None):
+    """One exchange of a device's n tokens (those with `real_N` False are sent nowhere): their
+    MoE output [n, D] and how many of their assignments were dropped."""
     ep = jax.lax.axis_size(EXPERT_AXIS)
     me = jax.lax.axis_index(EXPERT_AXIS)
     n, k = idx_Nxk.shape
     n_local = wg_LxDxF.shape[0]
     a = n * k
     slot = a if capacity_factor is None else max(1, math.ceil(capacity_factor * a / ep))
-    order_A, sorted_e_A, _, counts_E = _sort_by_expert(idx_Nxk.reshape(a), n_local * ep)
+    idx_A = idx_Nxk.reshape(a)
+    if real_N is not None:  # padding sorts after every expert's rows, counted by none
+        idx_A = jnp.where(jnp.repeat(real_N, k), idx_A, n_local * ep)
+    order_A, sorted_e_A, _, counts_E = _sort_by_expert(idx_A, n_local * ep + 1)
+    counts_E = counts_E[:-1]
     xs_AxD = x_NxD[order_A // k]
     counts_PxL = counts_E.reshape(ep, n_local)  # my rows per (device, its local expert)
     want_P = counts_PxL.sum(1)
@@ -118,9 +166,10 @@ def _local(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, local,
     r_R = i_R - recv_start_P[src_R]
     valid_R = i_R < jnp.sum(recv_P)
     # each of my sorted assignments' device and place in my block for it
-    dev_A = sorted_e_A // n_local
+    dev_A = jnp.minimum(sorted_e_A // n_local, ep - 1)
     rank_A = jnp.arange(a) - start_P[dev_A]
-    kept_A = rank_A < slot
+    real_A = sorted_e_A < n_local * ep
+    kept_A = (rank_A < slot) & real_A
 
     if ragged:  # where my rows land on each receiver, where theirs landed on me
         sent_PxP = jax.lax.all_gather(send_P, EXPERT_AXIS)  # [source, receiver]
@@ -145,8 +194,7 @@ def _local(x_NxD, idx_Nxk, weights_Nxk, wg_LxDxF, wu_LxDxF, wo_LxFxD, *, local,
         ys_AxD = _dense_return(yr_RxD, recv_start_P, recv_P, dev_A, rank_A, kept_A, slot)
     ys_AxD = jnp.where(kept_A[:, None], ys_AxD, 0)
     dest_A = jnp.zeros(a, jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32))
-    dropped = jax.lax.psum(jnp.sum(~kept_A).astype(jnp.float32), batch) / jax.lax.psum(
-        jnp.float32(a), batch)
+    dropped = jnp.sum(real_A & ~kept_A).astype(jnp.float32)
     return _combine(ys_AxD, dest_A, weights_Nxk), dropped
 
 

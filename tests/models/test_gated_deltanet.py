@@ -259,7 +259,8 @@ def test_linear_heads_shard_on_tensor_and_forward_matches_one_device():
     shardings = sharding.param_shardings(config, mesh)
     lin = shardings["layers_0"]["linear_attn"]
     assert lin["conv_q"].spec == jax.sharding.PartitionSpec(None, "tensor")
-    assert lin["v_proj"]["kernel"].spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert lin["v_proj"]["kernel"].spec == jax.sharding.PartitionSpec(("fsdp", "expert"),
+                                                                       "tensor")
     assert lin["A_log"].spec == jax.sharding.PartitionSpec("tensor")
     placed = jax.device_put(params, shardings)
     assert placed["layers_0"]["linear_attn"]["conv_v"].addressable_shards[0].data.shape == (4, 16)
