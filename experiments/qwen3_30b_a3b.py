@@ -24,6 +24,11 @@ One layer's gradient at 16384 tokens, compiled on CPU XLA both ways (5c05076, 20
 experiments/results/attention_bench.json): 145.3 GiB of temporaries with full attention,
 7.73 GiB with query chunks of 1024.
 
+Compiled by XLA:TPU for 16 v5p chips (fsdp 2 x expert 8), `python -m espo_jax.bench aot
+--config experiments/qwen3_30b_a3b.py:devices=16,expert=8 --topology v5p:2x2x4`
+(experiments/results/aot_qwen3_30b_a3b.json): the whole update peaks at 90.23 GiB per chip, 95.0%
+of HBM (not within the 90% target yet); the engine's decode call at 76.21 GiB.
+
 Laptop-size variant (tiny MoE, arithmetic, JAX engine, sync loop; what the tests run):
 
     python -m espo_jax.main --config experiments/qwen3_30b_a3b.py:small --workdir /tmp/q30_small
