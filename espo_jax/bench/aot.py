@@ -107,6 +107,13 @@ def collectives(hlo: str) -> dict[str, int]:
     return {op: found.count(op) for op in _COLLECTIVES if op in found}
 
 
+def _mesh(config, devices) -> jax.sharding.Mesh:
+    """The experiment's mesh over the slice's abstract devices."""
+    shape = sharding.mesh_shape(config.mesh, len(devices))
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), sharding.MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 4)
+
+
 def compile_learner(config, devices) -> tuple[dict, object]:
     """The experiment's update compiled for `devices`: the figures `run` stores."""
     from espo_jax.models import init_params
@@ -114,9 +121,7 @@ def compile_learner(config, devices) -> tuple[dict, object]:
     from espo_jax.train.learner import Learner
 
     model_config = preset_model_config(config)
-    mesh_shape = sharding.mesh_shape(config.mesh, len(devices))
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(mesh_shape), sharding.MESH_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    mesh = _mesh(config, devices)
     rules = sharding.rules_from_config(config.mesh)
     param_shardings = sharding.param_shardings(model_config, mesh, rules)
     params = _abstract(jax.eval_shape(functools.partial(init_params, model_config),
@@ -183,9 +188,7 @@ def compile_engine(config, devices) -> dict:
     model_config = preset_model_config(config)
     r = config.rollout
     slots, context = int(r.num_slots), int(r.max_prompt_len + r.max_new_tokens)
-    mesh_shape = sharding.mesh_shape(config.mesh, len(devices))
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(mesh_shape), sharding.MESH_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    mesh = _mesh(config, devices)
     engine_config = decode.engine_params({}, model_config, r.precision)[1]
     params = jax.eval_shape(
         lambda key: decode.engine_params(init_params(model_config, key), model_config,
