@@ -43,6 +43,9 @@ def default_config() -> ml_collections.ConfigDict:
     # learner's rows, padding included (packed rows have little; unpacked ones ~36% here)
     c.model.aux_loss_tokens = "real"
     c.model.remat = False  # recompute each block's activations in the backward pass
+    # runs of repeating layers as one scan each: compile time and the compiler's memory do not
+    # grow with depth; the learner then holds its weights in the scanned layout (models/scan.py)
+    c.model.scan_layers = False
     c.model.attention_chunk = 0  # > 0: attention over query chunks of this many tokens (memory)
     c.model.ep_chunk = 0  # > 0: expert-parallel MoE exchanges of this many tokens each (memory)
     # n > 1: the learner's attention in n query blocks that skip the keys after them (always

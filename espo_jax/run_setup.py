@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from espo_jax import distributed, sharding, task_prompts, tasks
-from espo_jax.models import hf_io
+from espo_jax.models import hf_io, scan
 from espo_jax.models.config import ModelConfig, get_preset
 from espo_jax.models.tokenizer import load_tokenizer
 
@@ -111,11 +111,12 @@ def preset_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 def runtime_overrides(config: ml_collections.ConfigDict) -> dict:
     """The model fields a run chooses whatever the weights' architecture (a preset's or a
     Hugging Face config.json's): the parameters' dtype (`MASTER_DTYPE`; the compute dtype stays
-    the model's), MoE dispatch and its exchange chunk, layer remat, attention chunk and blocks,
-    the aux losses' positions, and the load-balancing loss weight when
+    the model's), MoE dispatch and its exchange chunk, layer remat and scan, attention chunk
+    and blocks, the aux losses' positions, and the load-balancing loss weight when
     `config.model.aux_loss_coef` >= 0."""
     overrides = {"param_dtype": MASTER_DTYPE,
                  "dispatch": config.model.dispatch, "remat": bool(config.model.remat),
+                 "scan_layers": bool(config.model.scan_layers),
                  "attention_chunk": int(config.model.attention_chunk),
                  "ep_chunk": int(config.model.ep_chunk),
                  "causal_blocks": int(config.model.causal_blocks),
@@ -148,13 +149,15 @@ def load_run_tokenizer(config: ml_collections.ConfigDict):
 
 def load_model(config: ml_collections.ConfigDict) -> tuple[ModelConfig, dict | None]:
     """(model config, Hugging Face weights or None): `config.model.hf_path`'s architecture and
-    weights when set, else the preset's architecture; the run's `runtime_overrides` either way."""
+    weights when set (in the layout `config.model.scan_layers` asks for), else the preset's
+    architecture; the run's `runtime_overrides` either way."""
     if not config.model.hf_path:
         return preset_model_config(config), None
     model_config, hf_params = hf_io.from_pretrained(model_dir(config))
+    model_config = model_config.replace(**runtime_overrides(config))
     master = np.dtype(MASTER_DTYPE)
-    return model_config.replace(**runtime_overrides(config)), jax.tree.map(
-        lambda x: x.astype(master), hf_params)
+    return model_config, scan.stack(model_config, jax.tree.map(lambda x: x.astype(master),
+                                                               hf_params))
 
 
 def model_architecture(config: ml_collections.ConfigDict) -> ModelConfig:

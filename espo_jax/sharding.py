@@ -59,11 +59,12 @@ DEFAULT_RULES: Rules = (
     ("q_lora", "fsdp"),
     ("kv_lora", "fsdp"),
     ("norm", None),
+    ("layers", None),  # the repeats axis of a scanned run (`models.scan`): never split
 )
 
 
 LOGICAL_AXES = ("batch", "length", "exp", "embed", "vocab", "heads", "kv_heads", "mlp", "q_lora",
-                "kv_lora", "norm")
+                "kv_lora", "norm", "layers")
 
 
 def rules_from_config(mesh_config: Any) -> Rules:

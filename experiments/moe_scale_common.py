@@ -27,6 +27,8 @@ def espo_config(arg: ml_collections.ConfigDict, preset: str, vocab: int,
     c.model.hf_path = arg.hf_path
     c.model.dispatch = "ragged"  # grouped matmul over experts (lax.ragged_dot)
     c.model.remat = True  # keep only each block's input for the backward pass
+    # each run of repeating layers one scan: a 46-61 layer model compiles its layers once
+    c.model.scan_layers = True
     c.model.attention_chunk = 1024  # query chunks: O(1024 T) attention memory, not O(T^2)
     # expert-parallel exchanges of 2048 tokens: dropless buffers of ep x 2048 x k rows, not
     # ep x 16k x k (a million rows of d_model per buffer at ep 8, top-8)

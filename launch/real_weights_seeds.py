@@ -111,14 +111,9 @@ def run_record(run_dir: str, summary: dict) -> dict:
 
 def cpu_model() -> str:
     """The first CPU's model name in /proc/cpuinfo (the machine's type elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.machine()
+    from espo_jax.bench import cpu_model as named
+
+    return named()[0] or platform.machine()
 
 
 def choose_lr(sweep: dict[str, dict]) -> str:

@@ -121,10 +121,11 @@ def test_shardings_on_eight_devices(model):
     c = load()
     mesh = sharding.make_mesh(c.mesh)  # the 8 fake CPU devices of tests/conftest.py
     shardings = sharding.param_shardings(model_config, mesh)  # raises if a dim does not fit
-    moe = shardings["layers_0"]["moe"]
-    assert tuple(moe["wi_gate"].spec) == ("expert", "fsdp", "tensor")
+    # the 48 MoE layers are one scanned run, weights [48, ...] whose layers axis is never split
+    moe = shardings["scan_0_48"]["layer_0"]["moe"]
+    assert tuple(moe["wi_gate"].spec) == (None, "expert", "fsdp", "tensor")
     # fsdp=8 splits every weight's model dimension: wi_gate [128, 2048, 768] -> [128, 256, 768].
-    assert moe["wi_gate"].shard_shape((128, 2048, 768)) == (128, 256, 768)
+    assert moe["wi_gate"].shard_shape((48, 128, 2048, 768)) == (48, 128, 256, 768)
     per_device = _check_fit(shapes, shardings, dict(mesh.shape))
     # Everything but the norm scales is split 8 ways: (30_532_122_624 - 210_944) / 8 + 210_944.
     assert per_device == (TOTAL - NORMS) // 8 + NORMS == 3_816_699_904
@@ -137,8 +138,9 @@ def test_expert_parallel_variant_splits_experts(model):
     shardings = sharding.logical_to_mesh_shardings(specs, mesh)
     sharding.validate_divisibility(model_config, mesh)
     # 128 experts over expert=4 -> 32 per device; d_model 2048 over fsdp=2 -> 1024.
-    assert shardings["layers_7"]["moe"]["wo"].shard_shape((128, 768, 2048)) == (32, 768, 1024)
-    assert shardings["layers_7"]["moe"]["wi_up"].shard_shape((128, 2048, 768)) == (32, 1024, 768)
+    moe = shardings["scan_0_48"]["layer_0"]["moe"]
+    assert moe["wo"].shard_shape((48, 128, 768, 2048)) == (48, 32, 768, 1024)
+    assert moe["wi_up"].shard_shape((48, 128, 2048, 768)) == (48, 32, 1024, 768)
     # The dense weights' model dimension is split over fsdp x expert too; the routers [D, E]
     # split E over expert and D over fsdp:
     #   experts 48*603_979_776 = 28_991_029_248 / 8 = 3_623_878_656
@@ -155,5 +157,6 @@ def test_tpu_slice_shardings_without_devices(model):
     shardings = sharding.logical_to_mesh_shardings(specs, mesh)
     per_device = _check_fit(shapes, shardings, dict(zip(sharding.MESH_AXES, sizes, strict=True)))
     # 32 chips: 2048 / 32 = 64 of the model dimension per chip.
-    assert shardings["layers_0"]["moe"]["wi_gate"].shard_shape((128, 2048, 768)) == (128, 64, 768)
+    assert shardings["scan_0_48"]["layer_0"]["moe"]["wi_gate"].shard_shape(
+        (48, 128, 2048, 768)) == (48, 128, 64, 768)
     assert per_device == (TOTAL - NORMS) // 32 + NORMS

@@ -13,7 +13,25 @@ import time
 from collections.abc import Callable, Sequence
 
 NAMES = ("model", "buffer", "engine", "zve", "attention", "peers", "packing", "profile",
-         "device_check", "linear_decode", "real", "mla_decode", "aot")
+         "device_check", "linear_decode", "real", "mla_decode", "aot", "scan")
+
+
+# the vector and matrix units a CPU figure depends on, named with it
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> tuple[str | None, list[str]]:
+    """The first CPU's model name in /proc/cpuinfo and which of MATMUL_FLAGS it has."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    return fields.get("model name"), [x for x in MATMUL_FLAGS if x in flags]
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

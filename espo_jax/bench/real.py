@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from espo_jax import configs, host_memory, run_record, sharding
-from espo_jax.bench import cpu_times, format_table
+from espo_jax.bench import cpu_model, cpu_times, format_table
 from espo_jax.bench.model import interleaved_medians, peak_matmul_flops, train_flops_per_token
 from espo_jax.bench.peer_process import PeerProcess, peak_rss, reset_peak_rss
 from espo_jax.bench.peers import engine_shards, generate_flops_per_token
@@ -176,21 +176,6 @@ def torch_rows(groups: list[RolloutGroup], rewards: list[np.ndarray]) -> dict:
     return {"tokens": tokens.tolist(), "mask": mask.tolist(), "advantages": adv.tolist()}
 
 
-MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def cpu_model() -> tuple[str | None, list[str]]:
-    """The first CPU's model name in /proc/cpuinfo and which of MATMUL_FLAGS it has."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
-    return fields.get("model name"), [x for x in MATMUL_FLAGS if x in flags]
 
 
 def _measured_side(build) -> tuple[Any, float, dict]:

@@ -34,6 +34,9 @@ with attn_output_gate a GQA q_proj is [D, H*2A], per head [query A, gate A].
 "e_score_correction_bias" (router == "sigmoid_group") orders experts and never receives a
 gradient; "shared_experts" (n_shared_experts > 0) is one SwiGLU of width n_shared_experts * F.
 Kernels are [in, out]. A kernel may also be an FP8 pytree {"qvalue", "scale"} (see `quant`).
+With `scan_layers` a run of repeating layers is one entry "scan_{start}_{stop}" instead:
+{"layer_{q}": a layer's tree above, every array with a leading axis of the run's repeats}
+(`scan`; `scan.unstack` gives the per-layer tree back).
 """
 
 from espo_jax.models import moe, quant

@@ -67,6 +67,9 @@ class ModelConfig:
     ep_chunk: int = 0
     init_std: float = 0.02  # normal init of kernels and embeddings (HF initializer_range)
     remat: bool = False  # recompute each block's activations in the backward pass (memory)
+    # runs of repeating layers as one `nn.scan` each, compiled once, in the scanned parameter
+    # layout (`espo_jax.models.scan`); no KV cache (the engine reads the weights per layer)
+    scan_layers: bool = False
     # 0: attention materialises [B, H, T, S] scores; n > 0: queries in chunks of n tokens whose
     # scores are recomputed in the backward pass (memory O(n S) instead of O(T S); same result)
     attention_chunk: int = 0

@@ -33,7 +33,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from espo_jax.models import hf_deepseek, hf_fp8, hf_qwen3_next
+from espo_jax.models import hf_deepseek, hf_fp8, hf_qwen3_next, scan
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.hf_config import (  # noqa: F401  (re-exported)
     _NP_DTYPES,
@@ -389,6 +389,7 @@ def save_pretrained(config: ModelConfig, params: dict, path: str, *, dtype: str 
     Earlier `model*.safetensors` files in `path` are removed first. Returns the files written.
     """
     dtype = dtype or config.param_dtype
+    params, config = scan.unstack(params), config.replace(scan_layers=False)
     if dtype not in _NP_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_NP_DTYPES)}")
     hf = config_to_hf(config, dtype=dtype) | (extra_config or {})

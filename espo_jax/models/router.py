@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from espo_jax.models import quant
+from espo_jax.models import quant, scan
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.layers import weight
 
@@ -160,12 +160,17 @@ def update_router_biases(config: ModelConfig, params: dict, routed_experts_BxTxM
     load_MxE = expert_load(routed_experts_BxTxMxk.reshape(b * t, m, k), c.n_experts, mask_N)
     params = dict(params)
     for j, i in enumerate(c.moe_layers):
-        layer = params[f"layers_{i}"]
+        (key, *block), rep = scan.locate(c, i)  # a scanned run: its q-th block, repeat `rep`
+        run = params[key]
+        layer = run[block[0]] if block else run
         moe = layer["moe"]
-        bias = update_correction_bias(moe["router"]["e_score_correction_bias"], load_MxE[j],
-                                      c.router_bias_update_rate)
-        params[f"layers_{i}"] = {**layer, "moe": {**moe, "router": {
-            **moe["router"], "e_score_correction_bias": bias}}}
+        bias = moe["router"]["e_score_correction_bias"]
+        new = update_correction_bias(bias if rep is None else bias[rep], load_MxE[j],
+                                     c.router_bias_update_rate)
+        layer = {**layer, "moe": {**moe, "router": {
+            **moe["router"], "e_score_correction_bias": new if rep is None
+            else bias.at[rep].set(new)}}}
+        params[key] = {**run, block[0]: layer} if block else layer
     return params
 
 

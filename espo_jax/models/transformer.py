@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from espo_jax.models import gated_deltanet, quant
+from espo_jax.models import gated_deltanet, quant, scan
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.layers import Attention, Dense, Mlp, rms_norm, weight
 from espo_jax.models.mla import LatentAttention, latent_cache_shapes
@@ -100,6 +100,54 @@ def _constrain(x_BxTxD: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
 
 
+class Cycle(nn.Module):
+    """One repeat of a scanned run (`espo_jax.models.scan`): its blocks in order. Carry: the
+    residual stream; per repeat: the replayed experts of its MoE blocks [B, T, Q, k]."""
+
+    config: ModelConfig
+    kinds: tuple[tuple[bool, str], ...]  # (moe, layer type) of each block
+
+    @nn.compact
+    def __call__(self, x_BxTxD, replay_BxTxQxk, positions_BxT, segments_BxT, weights_BxT):
+        c, routings, m = self.config, [], 0
+        block = nn.remat(Block) if c.remat else Block
+        for q, (moe, layer_type) in enumerate(self.kinds):
+            replay = None
+            if moe and replay_BxTxQxk is not None:
+                replay, m = replay_BxTxQxk[:, :, m], m + 1
+            x_BxTxD, _, routing = block(c, moe, layer_type == "linear_attention",
+                                        name=f"layer_{q}")(
+                x_BxTxD, positions_BxT, segments_BxT, replay, None, None, weights_BxT)
+            x_BxTxD = _constrain(x_BxTxD)
+            if routing is not None:
+                routings.append(routing)
+        return x_BxTxD, tuple(routings)
+
+
+def _scanned_run(c: ModelConfig, run: scan.Run, x, replay_BxTxMxk, positions_BxT, segments_BxT,
+                 weights_BxT) -> tuple[jax.Array, list]:
+    """A run of `run.repeats` cycles under `nn.scan`; its routing per layer, in layer order."""
+    kinds = tuple(scan.layer_kind(c, run.layer(q, 0)) for q in range(run.period))
+    replay = None
+    if replay_BxTxMxk is not None and any(moe for moe, _ in kinds):
+        m_of = {i: m for m, i in enumerate(c.moe_layers)}
+        idx_RxQ = [[m_of[run.layer(q, j)] for q in range(run.period) if kinds[q][0]]
+                   for j in range(run.repeats)]
+        replay = jnp.moveaxis(replay_BxTxMxk[:, :, jnp.asarray(idx_RxQ)], 2, 0)  # [R,B,T,Q,k]
+    body = nn.scan(Cycle, variable_axes={"params": 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast if replay is None else 0, nn.broadcast, nn.broadcast,
+                            nn.broadcast),
+                   length=run.repeats, metadata_params={nn.PARTITION_NAME: "layers"})
+    x, routings = body(c, kinds, name=run.name)(x, replay, positions_BxT, segments_BxT,
+                                                 weights_BxT)
+    per_layer = []  # repeat-major: layer order
+    for j in range(run.repeats):
+        for logits, experts, stats, own in routings:
+            per_layer.append((logits[j], experts[j], {k: v[j] for k, v in stats.items()},
+                              own[j]))
+    return x, per_layer
+
+
 class Transformer(nn.Module):
     config: ModelConfig
 
@@ -109,9 +157,14 @@ class Transformer(nn.Module):
         c = self.config
         embed = Embed(c, name="embed")
         x = _constrain(embed(tokens_BxT))
-        new_cache, logits_list, experts_list, stats_list, own_list = {}, [], [], [], []
-        for i in range(c.n_layers):
-            m = len(experts_list)
+        new_cache, routings = {}, []
+        for run in scan.runs(c):
+            if run.repeats > 1:
+                x, run_routing = _scanned_run(c, run, x, replay_BxTxMxk, positions_BxT,
+                                              segments_BxT, weights_BxT)
+                routings += run_routing
+                continue
+            i, m = run.start, len(routings)
             moe = c.is_moe_layer(i)
             replay = replay_BxTxMxk[:, :, m] if (moe and replay_BxTxMxk is not None) else None
             layer_cache = None if cache is None else cache[f"layers_{i}"]
@@ -124,10 +177,9 @@ class Transformer(nn.Module):
             if cache is not None:
                 new_cache[f"layers_{i}"] = layer_cache
             if routing is not None:
-                logits_list.append(routing[0])
-                experts_list.append(routing[1])
-                stats_list.append(routing[2])
-                own_list.append(routing[3])
+                routings.append(routing)
+        logits_list, experts_list, stats_list, own_list = (
+            [r[k] for r in routings] for k in range(4))
         hidden = rms_norm(c, "final_norm")(x)
         logits = None
         if return_logits:
@@ -203,6 +255,9 @@ def forward(
     _check_shape("routed_experts_BxTxMxk", routed_experts_BxTxMxk,
                  (b, t, config.n_moe_layers, config.top_k))
     if cache is not None:
+        if config.scan_layers:
+            raise ValueError("forward(cache=...) needs the per-layer layout (scan_layers=False): "
+                             "the engine reads the weights per layer (models.scan.unstack)")
         if cache_mask_BxS is None:
             raise ValueError("forward(cache=...) needs cache_mask_BxS (True = slot holds a "
                              "real earlier token of the row; all False for an empty cache)")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from espo_jax import models
-from espo_jax.models import quant
+from espo_jax.models import quant, scan
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout.sampling import sample
 
@@ -84,6 +84,8 @@ def engine_params(params: dict, config: ModelConfig, precision: str) -> tuple[di
         raise ValueError(f"precision {precision!r} unknown; choose one of {PRECISIONS}")
     dispatch = ("dropless_loop" if config.dispatch in ("dropless", "capacity")
                 else config.dispatch)
+    # the engine's caches are per layer: a learner's scanned weights are read per layer too
+    params, config = scan.unstack(params), config.replace(scan_layers=False)
     if precision == "bf16":
         cfg = config.replace(dtype="bfloat16", param_dtype="bfloat16", dispatch=dispatch)
         cast = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x

