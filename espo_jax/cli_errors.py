@@ -11,8 +11,10 @@ and exits with status 1. `--verbosity=1` (absl's flag) raises them with their tr
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 
 from absl import flags
@@ -23,6 +25,27 @@ _TRACEBACK = "Traceback (most recent call last):"
 class CommandLineError(ValueError):
     """What the command line asks for cannot be done, found once its flags parsed (a
     checkpoint of another model than the command's): an entry point prints it with `fail`."""
+
+
+class UserError(ValueError, RuntimeError):
+    """What the user brought is at fault, found while the run is set up (a task's reward that
+    raises, a prompt longer than the config allows): `fail` prints the message as one `error:`
+    line and, when the user's own code raised (`raise UserError(...) from e`), that code's
+    frames only, not espo_jax's."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def own_frames(exc: BaseException) -> str:
+    """`exc`'s traceback without espo_jax's frames (those under this package), then its last
+    line: the frames of the user's code and of what it called."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_PACKAGE)]
+    return "".join(["Traceback (your code's frames; --verbosity=1 shows every frame):\n",
+                    *traceback.format_list(frames),
+                    *traceback.format_exception_only(type(exc), exc)])
+
 
 _HINT = "(--verbosity=1 shows the traceback, --helpshort the flags)"
 
@@ -77,6 +100,10 @@ def fail(exc: BaseException, verbosity: int, argv: Sequence[str] = ()) -> int:
     raises it again instead (with its traceback)."""
     if verbosity >= 1:
         raise exc
+    if isinstance(exc, UserError):
+        cause = exc.__cause__
+        sys.stderr.write(f"error: {exc}\n" + (own_frames(cause) if cause is not None else ""))
+        return 1
     sys.stderr.write(f"error: {one_message(exc, argv)}\n{_HINT}\n")
     return 1
 

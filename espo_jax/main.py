@@ -65,7 +65,10 @@ def main(argv) -> int:
     if config.mode == "rollout":
         from espo_jax.rollout import worker
 
-        return worker.main_from_config(config, workdir, **worker_flags.worker_args())
+        try:
+            return worker.main_from_config(config, workdir, **worker_flags.worker_args())
+        except cli_errors.UserError as e:
+            return cli_errors.fail(e, flags.FLAGS.verbosity)
     from espo_jax import run_record  # config.json: kept, compared on resume; a finished run
 
     try:
@@ -76,14 +79,17 @@ def main(argv) -> int:
     if done:
         print(run_record.finished_line(workdir, done))
         return 0
-    if config.train.loop == "async":
-        from espo_jax.train import async_loop
+    try:
+        if config.train.loop == "async":
+            from espo_jax.train import async_loop
 
-        summary = async_loop.run_async(config, workdir)
-    else:
-        from espo_jax.train import loop
+            summary = async_loop.run_async(config, workdir)
+        else:
+            from espo_jax.train import loop
 
-        summary = loop.run_sync(config, workdir)
+            summary = loop.run_sync(config, workdir)
+    except cli_errors.UserError as e:  # the task's fault: one line and its own frames
+        return cli_errors.fail(e, flags.FLAGS.verbosity)
     print(f"\n{console.summary_table(summary)}\n  summary.json  "
           f"{os.path.join(workdir, 'summary.json')}\n  full log      {log_path}")
     return 0

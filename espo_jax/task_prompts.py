@@ -8,9 +8,9 @@ tokenizer's chat template, text with a bos).
 from __future__ import annotations
 
 import pickle
-import traceback
 from collections.abc import Mapping, Sequence
 
+from espo_jax.cli_errors import UserError
 from espo_jax.rewards.pool import normalize_reward
 from espo_jax.task_loading import load_task
 from espo_jax.tasks import Task, reward_target
@@ -52,8 +52,10 @@ class TokenizedPrompts(Sequence):
             raise TypeError(f"task {self._task!r}: prompt {out['prompt_id']!r} is a "
                             f"{type(prompt).__name__}; give text or chat messages")
         if self._max is not None and len(tokens) > self._max:
-            raise ValueError(f"task {self._task!r}: prompt {out['prompt_id']!r} has "
-                             f"{len(tokens)} tokens > rollout.max_prompt_len={self._max}")
+            raise UserError(f"task {self._task!r}: prompt {out['prompt_id']!r} has "
+                            f"{len(tokens)} tokens > rollout.max_prompt_len={self._max}; set "
+                            f"--config.rollout.max_prompt_len={len(tokens)} (or more), or 0 to "
+                            "size it from the task's prompts")
         out.update(prompt=prompt, tokens=tokens, level=int(out["level"]),
                    prompt_id=str(out["prompt_id"]))
         return out
@@ -111,7 +113,7 @@ def size_prompt_len(config, task_name: str, splits: Mapping[str, Sequence[dict]]
                      where, longest, PROMPT_LEN_MULTIPLE)
     elif longest > r.max_prompt_len:
         over = sum(n > r.max_prompt_len for n in lengths)
-        raise ValueError(
+        raise UserError(
             f"task {task_name!r}: its longest prompt, {where}, has {longest} tokens > "
             f"rollout.max_prompt_len={r.max_prompt_len} ({over} of {len(lengths)} prompts are "
             f"longer); set --config.rollout.max_prompt_len={longest} (or more), or 0 to size it "
@@ -148,13 +150,13 @@ def check_reward(task: Task, probes: Sequence[tuple[str, Mapping]], backend: str
     first rollout or evaluation: with the process reward pool (`backend` "process") it must
     pickle, and it is called once in this process on each `(split, tokenised prompt)` of
     `probes` with the completion `PROBE_COMPLETION`. A reward that cannot be pickled, raises or
-    returns no reward is an error naming the task and what to do, or the prompt id and the
-    traceback."""
+    returns no reward is a `UserError` naming the task and what to do, or the prompt id, raised
+    from the reward's own exception."""
     if backend == "process":
         try:
             pickle.dumps(task.reward)
         except Exception as e:
-            raise ValueError(
+            raise UserError(
                 f"task {task.name!r}: its reward {task.reward!r} cannot be pickled "
                 f"({type(e).__name__}: {e}), so the process reward pool "
                 "(config.rollout.reward_backend='process') cannot send it to its workers. "
@@ -164,8 +166,9 @@ def check_reward(task: Task, probes: Sequence[tuple[str, Mapping]], backend: str
     for split, prompt in probes:
         try:
             normalize_reward(task.reward(reward_target(prompt), PROBE_COMPLETION))
-        except Exception:
-            raise RuntimeError(
+        except Exception as e:
+            raise UserError(
                 f"task {task.name!r}: the reward failed on {split} prompt "
-                f"{prompt['prompt_id']!r}, tried once on the completion {PROBE_COMPLETION!r} "
-                f"before any work:\n{traceback.format_exc()}") from None
+                f"{prompt['prompt_id']!r} ({type(e).__name__}: {e}), tried once on the "
+                f"completion {PROBE_COMPLETION!r} before any work; fix the reward or the "
+                "prompts it reads (its traceback follows)") from e

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from espo_jax import configs, task_prompts
+from espo_jax import cli_errors, configs, task_prompts
 from espo_jax.models.tokenizer import CharTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,11 +77,14 @@ def test_a_reward_that_raises_is_named_before_the_prompts_are_tokenised(task_fil
     spec = f"{task_file}:broken"
     with pytest.raises(RuntimeError) as raised:
         task_prompts.prompt_sources(_config(spec), str(tmp_path), CountingTokenizer())
-    message = str(raised.value)
-    assert message.startswith(f"task {spec!r}: the reward failed on train prompt 'p0', tried "
-                              "once on the completion '0' before any work:\nTraceback")
-    assert 'return text.strip() == prompt["answr"]' in message  # the reward's own line
-    assert message.rstrip().endswith("KeyError: 'answr'")
+    assert str(raised.value) == (
+        f"task {spec!r}: the reward failed on train prompt 'p0' (KeyError: 'answr'), tried once "
+        "on the completion '0' before any work; fix the reward or the prompts it reads (its "
+        "traceback follows)")
+    # raised from the reward's own exception: its frames are the user's code
+    own = cli_errors.own_frames(raised.value.__cause__)
+    assert 'return text.strip() == prompt["answr"]' in own  # the reward's own line
+    assert own.rstrip().endswith("KeyError: 'answr'") and "espo_jax" not in own
     assert CountingTokenizer.encoded == 2  # the two probes (train, test); no split tokenised
     spec = f"{task_file}:held_out_lacks_answers"
     with pytest.raises(RuntimeError, match=f"(?s)task {spec!r}: the reward failed on test prompt "
@@ -106,9 +109,12 @@ def test_a_reward_that_raises_stops_the_main_job_within_seconds(task_file, tmp_p
         timeout=300)
     seconds = time.monotonic() - start
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert f"task '{task_file}:broken': the reward failed on train prompt 'p0'" in out
-    assert "KeyError: 'answr'" in out
+    assert proc.returncode == 1
+    # one error line, then only the reward's own frames: no frame of espo_jax's
+    assert f"error: task '{task_file}:broken': the reward failed on train prompt 'p0'" in out
+    frames = proc.stderr.split("Traceback (your code's frames")[1]
+    assert 'return text.strip() == prompt["answr"]' in frames and "KeyError: 'answr'" in frames
+    assert "espo_jax" not in frames and proc.stderr.count('File "') == frames.count('File "')
     # Nothing of the model is compiled (the mesh checks' random key is the only program).
     assert set(re.findall(r"Compiling jit\((\w+)\)", out)) <= {"stage", "_threefry_seed"}, out
     assert not (workdir / "checkpoints").exists() and not (workdir / "warmstart").exists()
