@@ -5,7 +5,7 @@
 The one-token decode step of one token mixer, jitted, for a batch of `SLOTS` sequences: the
 Gated DeltaNet's recurrent form (`gated_deltanet.recurrent_step`: its conv windows and its
 [Hv, Dk, Dv] float32 state, read and written back) against the cached GQA attention
-(`layers.Attention` with a bf16 KV cache of 1k and 8k tokens, the new token's key and value
+(`gqa.Attention` with a bf16 KV cache of 1k and 8k tokens, the new token's key and value
 written in). Each at the `qwen35_35b_a3b` preset's dims (d 2048; full layers 16 / 2 heads of
 256 with the output gate; linear layers 16 key heads x 128, 32 value heads x 128, conv 4; bf16
 weights), projections included, the MoE block not (it is the same for both). With `--quick`,
@@ -33,7 +33,7 @@ from espo_jax.bench.model import decode_step_medians
 from espo_jax.models import get_preset
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.gated_deltanet import GatedDeltaNet, cache_shapes
-from espo_jax.models.layers import Attention
+from espo_jax.models.gqa import Attention
 
 SLOTS = 4
 

@@ -44,6 +44,7 @@ from espo_jax.models.config import PRESETS, ModelConfig, get_preset
 from espo_jax.models.router import routing_flip_rate
 from espo_jax.models.transformer import (
     ModelOutput,
+    cache_slot_axes,
     forward,
     init_boxed,
     init_cache,
@@ -55,6 +56,7 @@ __all__ = [
     "PRESETS",
     "ModelConfig",
     "ModelOutput",
+    "cache_slot_axes",
     "forward",
     "get_preset",
     "init_boxed",

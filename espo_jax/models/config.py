@@ -10,11 +10,11 @@ import dataclasses
 from typing import Any
 
 DISPATCHES = ("dropless", "dropless_loop", "capacity", "ragged", "dense")
-# "gqa": grouped-query attention (Qwen, Llama, GLM-4.5; `layers.Attention`); "mla": DeepSeek's
+# "gqa": grouped-query attention (Qwen, Llama, GLM-4.5; `gqa.Attention`); "mla": DeepSeek's
 # multi-head latent attention (`mla.LatentAttention`)
 ATTENTIONS = ("gqa", "mla")
 # How a pass without a KV cache (the learner's forward, a prefill's is cached) computes GQA
-# attention: "xla", espo_jax's own einsums (`layers.attend_keys`); "dpa",
+# attention: "xla", espo_jax's own einsums (`attention.attend_keys`); "dpa",
 # `jax.nn.dot_product_attention` with JAX's choice of implementation; "cudnn", the same forced
 # onto cuDNN's fused kernel (GPU only: elsewhere it raises when traced)
 ATTENTION_IMPLS = ("xla", "dpa", "cudnn")

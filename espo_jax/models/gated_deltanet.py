@@ -19,7 +19,7 @@ unit-lower-triangular solve, chunks follow in a `lax.scan`) and `recurrent_step`
 decoding). Packed rows (several sequences in one row, `segment_ids`) restart the state at
 every segment boundary: the decay between tokens of different segments is zero, applied as a
 mask, so a boundary anywhere in a chunk is exact. A shared prefix's members
-(`layers.PREFIX_STRIDE` segment ids: a prompt once, then each response) start from the state
+(`attention.PREFIX_STRIDE` segment ids: a prompt once, then each response) start from the state
 after the prefix instead (`history`), and their conv reads the prefix's last inputs; the conv
 otherwise reads only its own segment's inputs.
 
@@ -41,10 +41,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from espo_jax.models.attention import PREFIX_STRIDE
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.layers import PREFIX_STRIDE, dense, weight
+from espo_jax.models.layers import dense, weight
 
 L2_EPS = 1e-6  # transformers / FLA l2norm: x * rsqrt(sum(x^2) + eps)
+
+
+# a layer's cache has no slot axis: its conv windows and state are of a fixed size (`cache_shapes`)
+CACHE_SLOT_AXES = {"conv_q": None, "conv_k": None, "conv_v": None, "state": None}
 
 
 def cache_shapes(config: ModelConfig, batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -101,7 +106,7 @@ def causal_conv(x_BxTxC: jax.Array, kernel_WxC: jax.Array, segments_BxT: jax.Arr
 
 def history(segments_BxT: jax.Array) -> dict[str, jax.Array]:
     """Where each token's history starts ([B, T] int32 / bool): `start`, the first index of its
-    segment; `member`, a continuation of a shared prefix (`layers.PREFIX_STRIDE` ids g * S + m,
+    segment; `member`, a continuation of a shared prefix (`attention.PREFIX_STRIDE` ids g * S + m,
     m >= 1); `prefix_end`, for members the last index of their group's prefix (segment id
     g * S) before `start`, else -1; `prefix_id` (g * S)."""
     b, t = segments_BxT.shape
@@ -123,7 +128,7 @@ def chunk_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
                            chunk: int, state_BxHxKxV=None):
     """(o [B, T, H, V], final state [B, H, K, V]) of the gated delta rule, C = `chunk` tokens
     at a time. q (already scaled) and k are per value head. A token's history is its own
-    segment, plus, for a member of a shared prefix's group (`layers.PREFIX_STRIDE`), that
+    segment, plus, for a member of a shared prefix's group (`attention.PREFIX_STRIDE`), that
     prefix: a segment starts from a zero state, a member from the state after its prefix (the
     packed layout: a prefix, then its members). `state_BxHxKxV` is the state before the first
     token (zero if None), the first segment's. All in float32.
@@ -238,32 +243,6 @@ def recurrent_step(q_BxHxK, k_BxHxK, v_BxHxV, g_BxH, beta_BxH, state_BxHxKxV):
     return jnp.einsum("bhkv,bhk->bhv", s, q), s
 
 
-def recurrent_gated_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
-                               segments_BxT, state_BxHxKxV=None):
-    """The token-by-token form of `chunk_gated_delta_rule` (same arguments but the chunk):
-    `recurrent_step` in a `lax.scan`; where the segment id changes the state restarts from
-    zero, or for a shared prefix's member from the state after the latest prefix token."""
-    b, t, h, dk = k_BxTxHxK.shape
-    s0 = (jnp.zeros((b, h, dk, v_BxTxHxV.shape[-1]), jnp.float32) if state_BxHxKxV is None
-          else state_BxHxKxV.astype(jnp.float32))
-    prev = jnp.concatenate([segments_BxT[:, :1], segments_BxT[:, :-1]], axis=1)
-    hist = history(segments_BxT)
-    keep = (segments_BxT == prev).astype(jnp.float32)
-    from_pref = ((segments_BxT != prev) & hist["member"]).astype(jnp.float32)
-
-    def step(carry, xs):
-        s, s_pref = carry
-        q, k, v, g, beta, keep_B, pref_B, is_prefix = xs
-        s_in = s * keep_B[:, None, None, None] + s_pref * pref_B[:, None, None, None]
-        o, s_new = recurrent_step(q, k, v, g, beta, s_in)
-        return (s_new, jnp.where(is_prefix[:, None, None, None], s_new, s_pref)), o
-
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH,
-                                               beta_BxTxH, keep, from_pref, hist["is_prefix"]))
-    (s, _), o = jax.lax.scan(step, (s0, jnp.zeros_like(s0)), xs)
-    return jnp.moveaxis(o, 0, 1), s
-
-
 def _conv_init(key, shape, dtype):
     """torch's Conv1d default for a depthwise kernel: uniform in +-1/sqrt(W)."""
     bound = shape[0] ** -0.5
@@ -295,7 +274,7 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer (same arguments and cache contract as
-    `layers.Attention`; positions are unused: order within the row is the sequence)."""
+    `gqa.Attention`; positions are unused: order within the row is the sequence)."""
 
     config: ModelConfig
 

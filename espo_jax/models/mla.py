@@ -36,12 +36,17 @@ import jax
 import jax.numpy as jnp
 
 from espo_jax.models import quant
+from espo_jax.models.attention import attend, cache_view
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.layers import Axes, RMSNorm, attend, cache_view, dense, weight
+from espo_jax.models.layers import Axes, RMSNorm, dense, weight
 from espo_jax.models.rope import rotate, softmax_scale_factor
 
 # transformers builds the q_a and kv_a RMSNorms with their default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
+
+
+# the axis of the S cache slots in each entry of a layer's cache (`latent_cache_shapes`)
+CACHE_SLOT_AXES = {"latent": 1, "k_rope": 1}
 
 
 def latent_cache_shapes(config: ModelConfig, batch: int, max_len: int) -> dict[str, tuple]:
@@ -80,7 +85,7 @@ def _product(spec: str, x: jax.Array, w: jax.Array, dtype: Any) -> jax.Array:
 
 
 class LatentAttention(nn.Module):
-    """MLA with a causal, segment-aware mask as `layers.Attention` (same arguments, same cache
+    """MLA with a causal, segment-aware mask as `gqa.Attention` (same arguments, same cache
     contract: slot s holds position s; validity is the caller's `cache_mask_BxS`). `absorb`
     False expands the cached latents in decode steps too, as transformers does (the same
     function, other rounding; `bench mla_decode` times both)."""

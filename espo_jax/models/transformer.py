@@ -15,13 +15,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from espo_jax.models import gated_deltanet, quant, scan
+from espo_jax.models import gated_deltanet, gqa, mla, quant, scan
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.layers import Attention, Dense, Mlp, rms_norm, weight
+from espo_jax.models.layers import Dense, Mlp, rms_norm, weight
 from espo_jax.models.mla import LatentAttention, latent_cache_shapes
 from espo_jax.models.moe import MoeBlock
 
-ATTENTION_MODULES = {"gqa": Attention, "mla": LatentAttention}
+ATTENTION_MODULES = {"gqa": gqa.Attention, "mla": LatentAttention}
 
 
 @flax.struct.dataclass
@@ -220,7 +220,7 @@ def forward(
     positions_BxT: default arange(T) in every row. attention_mask_BxT: True = real token; keys
     that are False are never attended to (and are excluded from the aux losses).
     segment_ids_BxT: several sequences packed in a row: a query attends only to keys of its
-    own segment id (or of its group's shared prefix, `layers.PREFIX_STRIDE`); id 0 marks
+    own segment id (or of its group's shared prefix, `attention.PREFIX_STRIDE`); id 0 marks
     padding (as attention_mask False). Give positions_BxT that restart at each segment (a
     prefix's members continue its positions). Not with a cache.
     token_weights_BxT: each token's weight in the aux losses (default 1 on real tokens): a
@@ -322,11 +322,11 @@ def lm_head_kernel(config: ModelConfig, params: dict, dtype: Any = None) -> jax.
 def cache_length(cache: dict) -> int | None:
     """S, the slots of a cache from `init_cache` (either attention kind; None when every layer
     is linear attention, whose cache has no slots)."""
+    slot_axes = {**gqa.CACHE_SLOT_AXES, **mla.CACHE_SLOT_AXES}
     for layer in cache.values():
-        if "latent" in layer:
-            return layer["latent"].shape[1]
-        if "v" in layer:
-            return layer["v"].shape[2]
+        for name, array in layer.items():
+            if slot_axes.get(name) is not None:
+                return array.shape[slot_axes[name]]
     return None
 
 
@@ -347,7 +347,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     """An empty KV cache: {"layers_{i}": {"k": [B, K, A, S], "v": [B, K, S, A]}}, zeros.
     Slot s holds the token at position s; validity is the caller's `cache_mask_BxS`. Kv-head
     major, the keys with the slots minor: a decode step's scores and weighted values are then
-    [G, A] x [A, S] and [G, S] x [S, A] products with no transpose (`layers.attend_keys`).
+    [G, A] x [A, S] and [G, S] x [S, A] products with no transpose (`attention.attend_keys`).
     MLA (`attention == "mla"`): {"latent": [B, S, C], "k_rope": [B, S, R]} per layer, the
     compressed latent and rope key (`mla`): (C + R) * bytes-per-number per token and layer.
     A linear_attention layer holds its conv windows and recurrent state instead, of a size
@@ -356,12 +356,23 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     dtype = dtype or config.dtype
     linear = {name: (shape, dt or dtype)
               for name, (shape, dt) in gated_deltanet.cache_shapes(config, batch).items()}
-    if config.attention == "mla":
-        attn = {name: (shape, attn_dtype)
-                for name, shape in latent_cache_shapes(config, batch, max_len).items()}
-    else:
-        attn = {"k": ((batch, config.n_kv_heads, config.head_dim, max_len), attn_dtype),
-                "v": ((batch, config.n_kv_heads, max_len, config.head_dim), attn_dtype)}
+    shapes = (latent_cache_shapes if config.attention == "mla" else gqa.cache_shapes)(
+        config, batch, max_len)
+    attn = {name: (shape, attn_dtype) for name, shape in shapes.items()}
     return {f"layers_{i}": {name: jnp.zeros(shape, dt) for name, (shape, dt) in (
         linear if config.layer_type(i) == "linear_attention" else attn).items()}
         for i in range(config.n_layers)}
+
+
+def cache_slot_axes(config: ModelConfig) -> tuple[tuple[str, tuple[tuple[str, int | None], ...]],
+                                                  ...]:
+    """Per layer of `init_cache`, each cache entry's axis of the S slots, as its token mixer
+    declares it (`CACHE_SLOT_AXES` of `gqa`, `mla`, `gated_deltanet`); None for an entry of a
+    fixed size (a linear layer's conv windows and state). Nested tuples (hashable: a static
+    argument of a jitted function)."""
+    def axes(i):
+        if config.layer_type(i) == "linear_attention":
+            return gated_deltanet.CACHE_SLOT_AXES
+        return mla.CACHE_SLOT_AXES if config.attention == "mla" else gqa.CACHE_SLOT_AXES
+
+    return tuple((f"layers_{i}", tuple(axes(i).items())) for i in range(config.n_layers))

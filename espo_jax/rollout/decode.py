@@ -3,8 +3,9 @@
 - `prefill_jit(config, params, tokens_NxP, lengths_N) -> Prefix`: N prompts (one padded length
   P) through the model into their own KV caches; logits at each last token; routed experts.
 - `init_state_jit(config, B, S, max_stop_tokens) -> DecodeState`: every slot free.
-- `insert_jit(prefix, state, slots_R, rows_R, keys_R, slot_sampling) -> DecodeState`: prefix
-  rows copied into decode slots (padding entries: slot >= B), their first tokens drawn; one call
+- `insert_jit(config, prefix, state, slots_R, rows_R, keys_R, slot_sampling) -> DecodeState`:
+  prefix rows copied into decode slots (padding entries: slot >= B), their first tokens drawn
+  (each cache entry along its mixer's slot axis, `models.cache_slot_axes`); one call
   admits every sample of an admission round that shares the prefix batch.
 - `generate_jit(config, n_steps, params, state) -> (state, tokens [n_steps, B])`: n decode
   steps of every active slot (a `lax.scan`), recording tokens, log-probs and routed experts.
@@ -124,23 +125,21 @@ def _prefill(config: ModelConfig, params: dict, tokens_NxP: jax.Array, lengths_N
     )
 
 
-def _insert(prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R, sp: SlotSampling):
+def _insert(config: ModelConfig, prefix: Prefix, state: DecodeState, slots_R, rows_R, keys_R,
+            sp: SlotSampling):
     """Row rows_R[r] of `prefix` into slot slots_R[r]; entries with slots_R[r] >= B (padding)
     write nothing. Slots must be distinct."""
     p, s = prefix.tokens_NxP.shape[1], state.tokens_BxS.shape[1]
     r = slots_R.shape[0]
     n_R = prefix.lengths_N[rows_R]
-    # the prefix's P slots of each layer: the keys' slot axis is 3 ([B, K, A, S]), the values'
-    # 2; MLA's latent and rope key [B, S, N] have it at 1. A linear-attention layer's conv
-    # windows and state (`gated_deltanet.cache_shapes`) have no slot axis: copied whole.
-    put_slots = {"k": lambda c, x: c.at[slots_R, :, :, :p].set(x, mode="drop"),
-                 "v": lambda c, x: c.at[slots_R, :, :p].set(x, mode="drop"),
-                 "latent": lambda c, x: c.at[slots_R, :p].set(x, mode="drop"),
-                 "k_rope": lambda c, x: c.at[slots_R, :p].set(x, mode="drop")}
-    whole = lambda c, x: c.at[slots_R].set(x, mode="drop")
-    cache = {layer: {n: put_slots.get(n, whole)(c, prefix.cache[layer][n][rows_R].astype(c.dtype))
-                     for n, c in kv.items()}
-             for layer, kv in state.cache.items()}
+
+    def put(cache, x, axis):  # the prefix's P slots, or a fixed-size entry whole (axis None)
+        at = (slots_R,) if axis is None else (slots_R, *[slice(None)] * (axis - 1), slice(p))
+        return cache.at[at].set(x.astype(cache.dtype), mode="drop")
+
+    cache = {layer: {n: put(state.cache[layer][n], prefix.cache[layer][n][rows_R], axis)
+                     for n, axis in entries}
+             for layer, entries in models.cache_slot_axes(config)}
     tok_R, lp_R = sample(
         prefix.logits_NxV[rows_R],
         jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, 0),
@@ -241,5 +240,5 @@ def _generate(config, n_steps: int, params: dict, state: DecodeState):
 
 init_state_jit = jax.jit(_init_state, static_argnums=(0, 1, 2, 3))
 prefill_jit = jax.jit(_prefill, static_argnums=0)
-insert_jit = jax.jit(_insert, donate_argnums=(1,))
+insert_jit = jax.jit(_insert, static_argnums=0, donate_argnums=(2,))
 generate_jit = jax.jit(_generate, static_argnums=(0, 1), donate_argnums=(3,))

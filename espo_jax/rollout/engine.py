@@ -249,7 +249,8 @@ class Engine:
         sps = [e[3] for e in entries] + [entries[0][3]] * pad
         sp = SlotSampling(*(np.stack([np.asarray(getattr(x, f.name)) for x in sps])
                             for f in dataclasses.fields(SlotSampling)))
-        return insert_jit(prefix, decode_state, jnp.asarray(slots), jnp.asarray(rows), keys, sp)
+        return insert_jit(self.config, prefix, decode_state, jnp.asarray(slots),
+                          jnp.asarray(rows), keys, sp)
 
     def generate(self, params: dict, decode_state: DecodeState) -> tuple[DecodeState, jax.Array]:
         """`steps_per_sync` decode steps; tokens [steps, B] sampled (-1 where a slot was idle)."""

@@ -35,7 +35,7 @@ tokens and recorded prompt routing, `prompt_keys`) are placed in one data shard,
 as one copy of the prompt's first P - 1 inputs (segment id g * PREFIX_STRIDE) followed by each
 response's own inputs from input P - 1 on (segment ids g * PREFIX_STRIDE + 1, 2, ..., the
 positions continuing the prompt's), each attending to the copy and to itself
-(`models.layers.segment_visible`): every log-prob is the one its own row would give, and G
+(`models.attention.segment_visible`): every log-prob is the one its own row would give, and G
 responses compute their prompt once instead of G times. `token_weights` counts a shared
 token once per response in the MoE aux losses and the routing flip rate. A prompt whose
 responses do not fit one row is copied once per row they take.
@@ -49,7 +49,7 @@ import flax
 import jax
 import numpy as np
 
-from espo_jax.models.layers import PREFIX_STRIDE
+from espo_jax.models.attention import PREFIX_STRIDE
 
 PACK_BUCKETS = 16  # packed row counts: multiples of 1/PACK_BUCKETS of the most they can be
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from espo_jax.models import forward, get_preset, init_params
-from espo_jax.models.layers import PREFIX_STRIDE
+from espo_jax.models.attention import PREFIX_STRIDE
 
 # One row: a 3-token shared prefix (segment S), two members (S + 1, S + 2) continuing its
 # positions, then 2 padding tokens; a second row: one plain sequence of 6 and padding.

@@ -125,7 +125,7 @@ def test_cache_needs_a_mask(tiny_params, seqs):
 def test_attend_keys_either_key_layout(t):
     """The cache's [B, K, A, S] keys give the attention [B, K, S, A] keys give, for a decode
     step (T = 1) and for a prefill (T > 1); the keys are given in exactly one layout."""
-    from espo_jax.models.layers import attend_keys
+    from espo_jax.models.attention import attend_keys
 
     b, kv, g, a, s = 2, 2, 2, 8, 6
     q, k, v = (jax.random.normal(jax.random.key(i), shape) for i, shape in

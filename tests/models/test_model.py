@@ -10,11 +10,11 @@ import pytest
 
 from espo_jax.models import (
     ModelConfig,
+    attention,
     forward,
     get_preset,
     init_cache,
     init_params,
-    layers,
     lm_head_kernel,
     router,
 )
@@ -497,7 +497,7 @@ def test_softmax_attention_backward_equals_autodiff_of_the_plain_formula(jit):
         p = jax.nn.softmax(jnp.where(mask, s, jnp.finfo(jnp.float32).min), axis=-1)
         return jnp.einsum("bkqs,bksa->bkqa", p.reshape(b, kv, g * t, t), v)
 
-    hand = lambda q, k, v: layers.softmax_attention(q, k, v, mask, g, jnp.float32)
+    hand = lambda q, k, v: attention.softmax_attention(q, k, v, mask, g, jnp.float32)
     np.testing.assert_allclose(jit(hand)(q, k, v), jit(plain)(q, k, v), atol=1e-5)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * w)
     want = jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
