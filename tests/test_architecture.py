@@ -1,4 +1,5 @@
-"""The import graph of `espo_jax/` follows the data (DESIGN.md, "Import directions").
+"""The import graph of `espo_jax/` follows the data: workers and the learner meet only at the
+buffer and the published weights.
 
 Every import statement is read from the source (function-level imports too, since a lazy import
 is still a dependency), resolved to a module of the package, and checked against the rules:

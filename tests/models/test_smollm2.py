@@ -48,8 +48,9 @@ def smol(tmp_path_factory):
 
 def test_architecture_tokenizer_and_chat_template(smol):
     config, _ = hf_io.from_pretrained(smol)
-    # DESIGN.md's facts of the checkpoint: a dense Llama, 30 layers, hidden 576, 9 / 3 heads,
-    # tied embeddings, rope theta 1e5, vocab 49152, 134.5M parameters.
+    # the checkpoint's published architecture (HuggingFaceTB/SmolLM2-135M-Instruct's
+    # config.json): a dense Llama, 30 layers, hidden 576, 9 / 3 heads, tied embeddings, rope
+    # theta 1e5, vocab 49152; 134.5M parameters by its own count.
     assert (config.n_layers, config.d_model, config.n_heads, config.n_kv_heads) == (30, 576, 9, 3)
     assert (config.n_moe_layers, config.tie_embeddings, config.vocab_size) == (0, True, 49152)
     assert config.rope_theta == 1e5 and not config.qk_norm and not config.qkv_bias

