@@ -211,8 +211,9 @@ def pack_sequences(
     with `pack`, its model side in as few rows of `pack_len` tokens (0: 2 * seq_len) as the
     tokens fill (module docstring); with `share_prompts` too, the responses of one prompt
     share one copy of it. `trained` (one bool per sequence; None: all True): a sequence marked
-    False is placed like the others but its `loss_mask` row stays 0 (a response whose reward
-    call failed: no loss term, no token in the loss's denominators). `head_len` > 0: the most
+    False is placed like the others but its `loss_mask` row stays 0 and its tokens weigh 0 in
+    `token_weights` (a response whose reward call failed: no loss term, no token in the loss's
+    denominators, its routing not in the MoE aux losses). `head_len` > 0: the most
     response tokens a sequence has (`rollout.max_new_tokens`), the head's positions per
     sequence (module docstring)."""
     if rows % n_shards:
@@ -288,7 +289,9 @@ def pack_sequences(
     positions = (np.zeros((model_rows, width), np.int32) if pack else
                  np.broadcast_to(np.arange(width, dtype=np.int32), (model_rows, width)).copy())
     segments = np.zeros((model_rows, width), np.int32)
-    weights = np.zeros((model_rows, width), np.float32) if share_prompts else None
+    # a failed response's tokens weigh 0 in the MoE aux losses (its routing is not trained on)
+    failed = trained is not None and not all(trained)
+    weights = np.zeros((model_rows, width), np.float32) if share_prompts or failed else None
     loss_mask = np.zeros((rows, seq_len), np.float32)
     blogp = np.zeros((rows, seq_len), np.float32)
     adv = np.zeros((rows,), np.float32)
@@ -315,8 +318,9 @@ def pack_sequences(
         targets[mrow, cols] = full[skip + 1:]
         positions[mrow, cols] = np.arange(skip, n_in)
         segments[mrow, cols] = segment
+        keep = trained is None or bool(trained[i])
         if weights is not None:
-            weights[mrow, cols] = 1.0
+            weights[mrow, cols] = float(keep)
         if unpack is not None:
             unpack[row, skip:n_in] = mrow * width + col + np.arange(n_in - skip)
         ri = None
@@ -330,7 +334,7 @@ def pack_sequences(
             targets[prow, pcols] = full[1 : skip + 1]
             positions[prow, pcols] = np.arange(skip)
             segments[prow, pcols] = segment - segment % PREFIX_STRIDE
-            weights[prow, pcols] += 1.0  # the prompt stands for each response's copy
+            weights[prow, pcols] += float(keep)  # the prompt stands for each trained copy
             unpack[row, :skip] = prow * width + pcol + np.arange(skip)
             if ri is not None:
                 routed[prow, pcol : pcol + min(skip, len(ri))] = ri[:skip]
@@ -339,7 +343,7 @@ def pack_sequences(
             at = np.arange(len(p) - 1, n_in)
             head[row, : len(r)] = unpack[row, at] if pack else at
             head_unpack[row, at] = np.arange(len(r))
-        if trained is None or trained[i]:
+        if keep:
             loss_mask[row, len(p) - 1 : n_in] = 1.0
         blogp[row, len(p) - 1 : n_in] = np.asarray(behaviour_logps[i], np.float32)[: len(r)]
         adv[row] = advantages[i]

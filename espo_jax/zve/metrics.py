@@ -68,8 +68,9 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
     of one binary outcome. No-signal rollouts and tokens (`espo_jax.zve.accounting`) are those
     of generated groups not trained on, plus those of trained groups without reward contrast
     (unless RL-ZVP gives them one); `trained_zero_adv_tokens` of `trained_tokens` is the latter
-    part alone: tokens the update reads whose advantages are all zero. `effective_batch` counts
-    trained groups with signal.
+    part alone: tokens the update reads whose advantages are all zero (neither counts a response
+    whose reward failed: it is not in the loss). `effective_batch` counts trained groups with
+    signal.
     """
     batch_ids, generated_ids = {id(g) for g in batch}, {id(g) for g in generated}
     if len(batch_ids) != len(batch) or not batch_ids <= generated_ids:
@@ -107,8 +108,8 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
         / max(len(batch_known), 1),
         "zve/zv_outcome_rollouts": float(zv_rollouts),
         "zve/zv_outcome_tokens": float(zv_tokens),
-        "zve/trained_tokens": float(sum(int(g.lengths.sum()) for g in batch)),
-        "zve/trained_zero_adv_tokens": float(sum(int(g.lengths.sum()) for g in silent)),
+        "zve/trained_tokens": float(sum(map(_trained_tokens, batch))),
+        "zve/trained_zero_adv_tokens": float(sum(map(_trained_tokens, silent))),
         "zve/no_signal_rollouts": float(no_signal_rollouts),
         "zve/no_signal_tokens": float(no_signal_tokens),
         "zve/no_signal_token_frac": no_signal_tokens / max(tokens, 1),
@@ -117,6 +118,11 @@ def step_metrics(generated: Sequence[ScoredGroup], batch: Sequence[ScoredGroup],
         "zve/missing_outcomes": float(missing),
         "zve/missing_outcome_groups": float(no_outcome),
     }
+
+
+def _trained_tokens(group: ScoredGroup) -> int:
+    """The response tokens of `group` that enter the loss (not those whose reward failed)."""
+    return int(np.sum(np.where(reward_failed(group), 0, group.lengths)))
 
 
 def _mean_p90(lengths: Sequence[int]) -> tuple[float, float]:

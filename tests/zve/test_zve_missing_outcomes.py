@@ -167,9 +167,12 @@ def test_zero_variance_predicate_over_known_outcomes():
 
 
 def test_step_metrics_count_missing_outcomes():
-    g0, g1, g2, g3 = scored([1, 1, F]), scored([F, F]), scored([1, 0, F, F]), scored([0, 0])
+    g0, g1, g3 = scored([1, 1, F]), scored([F, F]), scored([0, 0])
+    g2 = scored([1, 0, F, F], lengths=[2, 3, 5, 7])
     m = step_metrics([g0, g1, g2, g3], [g0, g2])
     assert m["zve/missing_outcomes"] == 1 + 2 + 2 and m["zve/missing_outcome_groups"] == 1
+    # the failed responses are not trained tokens: g2's 2 + 3 of its 17, g0's two of three
+    assert m["zve/trained_tokens"] == sum(g0.lengths[:2]) + 2 + 3
     # by known outcome g0 (all right) and g3 (all wrong) of the 3 groups with an outcome
     assert m["zve/zero_variance_frac_before"] == pytest.approx(2 / 3)
     assert m["zve/zero_variance_frac_batch_outcome"] == pytest.approx(1 / 2)  # g0 of g0, g2
