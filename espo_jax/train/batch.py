@@ -72,8 +72,8 @@ class RLBatch:
     old_entropy: jax.Array | None = None  # [B, T]
     old_routed_experts: jax.Array | None = None  # [R, W, M, k] learner's own old routing (R2)
     ref_logp: jax.Array | None = None  # [B, T] reference policy's log-probs (KL penalty)
-    # [R, W] float32 aux-loss weight of each model-side token (a shared prompt's tokens stand
-    # for as many as it has responses); None: 1 on every real token
+    # [R, W] float32 aux-loss weight of each model-side token: 1 on a real token, a shared
+    # prompt's once per response, 0 on padding and on a response whose reward failed
     token_weights: jax.Array | None = None
     # [B, K] int32, sequence b's K response-target positions on the model side: the column of
     # row b unpacked, the flat index into [R, W] packed (R*W: none); None: every position
@@ -289,9 +289,9 @@ def pack_sequences(
     positions = (np.zeros((model_rows, width), np.int32) if pack else
                  np.broadcast_to(np.arange(width, dtype=np.int32), (model_rows, width)).copy())
     segments = np.zeros((model_rows, width), np.int32)
-    # a failed response's tokens weigh 0 in the MoE aux losses (its routing is not trained on)
-    failed = trained is not None and not all(trained)
-    weights = np.zeros((model_rows, width), np.float32) if share_prompts or failed else None
+    # always an array (the learner's programs take one batch structure): 1 on a real token, a
+    # shared prompt's tokens once per response, 0 on a failed response's (not trained on)
+    weights = np.zeros((model_rows, width), np.float32)
     loss_mask = np.zeros((rows, seq_len), np.float32)
     blogp = np.zeros((rows, seq_len), np.float32)
     adv = np.zeros((rows,), np.float32)
@@ -319,8 +319,7 @@ def pack_sequences(
         positions[mrow, cols] = np.arange(skip, n_in)
         segments[mrow, cols] = segment
         keep = trained is None or bool(trained[i])
-        if weights is not None:
-            weights[mrow, cols] = float(keep)
+        weights[mrow, cols] = float(keep)
         if unpack is not None:
             unpack[row, skip:n_in] = mrow * width + col + np.arange(n_in - skip)
         ri = None

@@ -164,8 +164,9 @@ def test_pack_sequences_untrained_sequence_keeps_its_place_with_no_loss(pack, sh
             np.testing.assert_array_equal(y, x, err_msg=name)
     # Sequence 1's 5 inputs leave the MoE aux losses' weights, wherever they lie (its own
     # columns, or its share of a shared prompt's copy); no other token's weight changes.
-    assert (every.token_weights is None) == (ref.token_weights is None)  # all trained: as before
-    weights = ref.token_weights if share and pack else (ref.segment_ids > 0).astype(np.float32)
+    weights = ref.token_weights
+    if not (share and pack):  # 1 on every real token
+        np.testing.assert_array_equal(weights, ref.segment_ids > 0)
     assert (got.token_weights <= weights).all() and (got.token_weights >= 0).all()
     assert weights.sum() - got.token_weights.sum() == len(prompts[1]) + len(responses[1]) - 1
     # Only sequence 1's 3 response targets leave the loss: one row loses 3 tokens, the other
