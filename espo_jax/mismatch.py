@@ -22,9 +22,12 @@ and, where the rollout recorded the routed experts of an MoE policy:
 
 The learner compares its parameters of the moment with the policy that sampled: in the worker
 layout a group sampled `async/staleness` updates ago carries those updates' change of the policy
-(and of its routing) in these metrics too, not only the engine's numerics. The DeepSeek-V3 small
-variant in the worker layout (AMD EPYC, 2026-12-06): 0.0027 at staleness 0, 0.040 at staleness 1
-(routing flip rate 0.02 and 0.38).
+(and of its routing), not only the engine's numerics. There the learner reports the keys above
+over the on-policy groups only (staleness 0: the figures compare with the single process's) and
+the same keys as `mismatch_stale/...` and `moe_stale/...` over the stale ones
+(`train.step.old_policy_metrics`). The DeepSeek-V3 small variant in the worker layout (AMD
+EPYC, 2026-12-06): 0.0027 at staleness 0, 0.040 at staleness 1 (routing flip rate 0.02 and
+0.38).
 
 Positions are aligned as the learner's rows are: `logp[b, t]` is the log-prob of the token that
 position t predicts, and the routing at [b, t] is the one computed at position t.

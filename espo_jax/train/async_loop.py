@@ -282,7 +282,7 @@ class AsyncRun(Run):
                 groups, rewards = groups_and_rewards(result.batch)
                 lags = [step - g.policy_version for g in groups]
                 t_update = time.time()
-                state, lmetrics = learner.update(state, groups, rewards)
+                state, lmetrics = learner.update(state, groups, rewards, policy_version=step)
                 t_publish = time.time()
                 step += 1
                 self._publish(step, state.params)

@@ -80,6 +80,10 @@ class RLBatch:
     head_index: jax.Array | None = None
     # [B, T] int32, column k of the head's [B, K] output holding (b, t) (K: none)
     head_unpack: jax.Array | None = None
+    # [B] float32, 1 where the sequence was sampled by an older policy than the learner's (the
+    # worker layout's staleness), and [R, W] the same per model-side token; None: not told
+    stale: jax.Array | None = None
+    stale_tokens: jax.Array | None = None
     # The data shards the batch is made for (static: one value per learner); packed rows'
     # index maps (`unpack`, `head_index`) count within the shard's own R / shards rows for its
     # B / shards sequences (module docstring)
@@ -206,6 +210,7 @@ def pack_sequences(
     share_prompts: bool = False,
     trained: Sequence[bool] | None = None,
     head_len: int = 0,
+    stale: Sequence[bool] | None = None,
 ) -> RLBatch:
     """Puts `prompt + response` pairs into an `RLBatch` of `rows x seq_len` (host numpy);
     with `pack`, its model side in as few rows of `pack_len` tokens (0: 2 * seq_len) as the
@@ -215,11 +220,13 @@ def pack_sequences(
     `token_weights` (a response whose reward call failed: no loss term, no token in the loss's
     denominators, its routing not in the MoE aux losses). `head_len` > 0: the most
     response tokens a sequence has (`rollout.max_new_tokens`), the head's positions per
-    sequence (module docstring)."""
+    sequence (module docstring). `stale` (one bool per sequence): sampled by an older policy
+    (`RLBatch.stale`, the mismatch metrics' split); None: the batch carries no such arrays."""
     if rows % n_shards:
         raise ValueError(f"batch rows {rows} not divisible by data shards {n_shards}")
-    if trained is not None and len(trained) != len(prompts):
-        raise ValueError(f"trained has {len(trained)} entries for {len(prompts)} sequences")
+    for name, flags in (("trained", trained), ("stale", stale)):
+        if flags is not None and len(flags) != len(prompts):
+            raise ValueError(f"{name} has {len(flags)} entries for {len(prompts)} sequences")
     for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logps, strict=True)):
         if len(p) < 1:
             raise ValueError(f"sequence {i} has an empty prompt: the first input must be a prompt "
@@ -292,6 +299,8 @@ def pack_sequences(
     # always an array (the learner's programs take one batch structure): 1 on a real token, a
     # shared prompt's tokens once per response, 0 on a failed response's (not trained on)
     weights = np.zeros((model_rows, width), np.float32)
+    stale_rows = None if stale is None else np.zeros((rows,), np.float32)
+    stale_tokens = None if stale is None else np.zeros((model_rows, width), np.float32)
     loss_mask = np.zeros((rows, seq_len), np.float32)
     blogp = np.zeros((rows, seq_len), np.float32)
     adv = np.zeros((rows,), np.float32)
@@ -320,6 +329,8 @@ def pack_sequences(
         segments[mrow, cols] = segment
         keep = trained is None or bool(trained[i])
         weights[mrow, cols] = float(keep)
+        if stale is not None:  # a shared prompt's responses are one group's: one staleness
+            stale_rows[row] = stale_tokens[mrow, cols] = float(stale[i])
         if unpack is not None:
             unpack[row, skip:n_in] = mrow * width + col + np.arange(n_in - skip)
         ri = None
@@ -334,6 +345,8 @@ def pack_sequences(
             positions[prow, pcols] = np.arange(skip)
             segments[prow, pcols] = segment - segment % PREFIX_STRIDE
             weights[prow, pcols] += float(keep)  # the prompt stands for each trained copy
+            if stale is not None:
+                stale_tokens[prow, pcols] = float(stale[i])
             unpack[row, :skip] = prow * width + pcol + np.arange(skip)
             if ri is not None:
                 routed[prow, pcol : pcol + min(skip, len(ri))] = ri[:skip]
@@ -367,6 +380,8 @@ def pack_sequences(
         routed_experts=routed,
         unpack=unpack,
         token_weights=weights,
+        stale=stale_rows,
+        stale_tokens=stale_tokens,
         head_index=head,
         head_unpack=head_unpack,
         shards=n_shards,

@@ -73,6 +73,8 @@ class Learner:
         self.seq_len = rl_seq_len(config)
         # a prompt's responses behind one copy of it (packed rows only)
         self.share_prompts = bool(config.train.pack and config.train.get("share_prompts", False))
+        # the worker layout's mismatch metrics apart for stale and on-policy rows (`update`)
+        self.split_stale = config.train.loop == "async"
         self.n_data_shards = sharding.batch_shards(config.mesh)
         self.moe_shape = (
             (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None
@@ -231,76 +233,89 @@ class Learner:
         return [f.result() for f in futures]
 
     def _example_batch(self) -> RLBatch:
-        return self.pack([], [], [], [], np.zeros(0), np.zeros(0))
+        return self.pack([], [], [], [], np.zeros(0), np.zeros(0),
+                         stale=np.zeros(0, bool) if self.split_stale else None)
 
     def pack(self, prompts, responses, blogps, routings, adv, signs,
-             rows: int | None = None, trained: np.ndarray | None = None) -> RLBatch:
+             rows: int | None = None, trained: np.ndarray | None = None,
+             stale: np.ndarray | None = None) -> RLBatch:
         return pack_sequences(
             prompts, responses, blogps, routings, adv, signs, rows=rows or self.rows_per_update,
-            trained=trained, seq_len=self.seq_len, pad_id=0, n_shards=self.n_data_shards,
+            trained=trained, stale=stale, seq_len=self.seq_len, pad_id=0,
+            n_shards=self.n_data_shards,
             moe_shape=self.moe_shape, pack=self.config.train.pack,
             pack_len=self.config.train.pack_len, share_prompts=self.share_prompts,
             head_len=self.config.rollout.max_new_tokens,
         )
 
-    def _chunks(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray]):
+    def _chunks(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray],
+                policy_version: int | None = None):
         """Each minibatch's responses as (pairs of prompt and response, advantages, RL-ZVP
-        signs, `trained_responses`), `rows_per_update` responses at a time (advantages from
-        `rewards`, one float32 array per group; with `advantage.overlong_buffer` > 0 DAPO's
-        overlong penalty is added to them first)."""
+        signs, `trained_responses`, stale flags or None), `rows_per_update` responses at a time
+        (advantages from `rewards`, one float32 array per group; with `advantage.overlong_buffer`
+        > 0 DAPO's overlong penalty is added to them first). In the worker layout
+        (`split_stale`) a group older than `policy_version`, the learner's, is stale (None:
+        none is); elsewhere the batches carry no staleness."""
         adv, signs = config_advantages(groups, rewards, self.config)
         trained = trained_responses(groups)
+        stale = None  # the worker layout's batches say which responses are stale (all or none)
+        if self.split_stale:
+            stale = np.array([policy_version is not None and g.policy_version < policy_version
+                              for g in groups for _ in g.responses], bool)
         flat = [(g.prompt_tokens, r) for g in groups for r in g.responses]
         for start in range(0, max(len(flat), 1), self.rows_per_update):
             chunk = flat[start : start + self.rows_per_update]
             sl = slice(start, start + len(chunk))
-            yield chunk, adv[sl], signs[sl], trained[sl]
+            yield chunk, adv[sl], signs[sl], trained[sl], None if stale is None else stale[sl]
 
-    def _pack_chunk(self, chunk, adv, signs, trained, rows: int) -> RLBatch:
+    def _pack_chunk(self, chunk, adv, signs, trained, stale, rows: int) -> RLBatch:
         return self.pack([p for p, _ in chunk], [r.tokens for _, r in chunk],
                          [r.logprobs for _, r in chunk], [r.routed_experts for _, r in chunk],
-                         adv, signs, rows=rows, trained=trained)
+                         adv, signs, rows=rows, trained=trained, stale=stale)
 
-    def minibatches(self, groups: Sequence[RolloutGroup],
-                    rewards: Sequence[np.ndarray]) -> list[RLBatch]:
+    def minibatches(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray],
+                    policy_version: int | None = None) -> list[RLBatch]:
         """Fixed-shape minibatches of `rows_per_update` rows holding every response of `groups`
-        (`_chunks`: advantages from `rewards`)."""
-        return [self._pack_chunk(chunk, adv, signs, trained, self.rows_per_update)
-                for chunk, adv, signs, trained in self._chunks(groups, rewards)]
+        (`_chunks`: advantages from `rewards`, staleness against `policy_version`)."""
+        return [self._pack_chunk(*chunk, self.rows_per_update)
+                for chunk in self._chunks(groups, rewards, policy_version)]
 
-    def update_batches(self, groups: Sequence[RolloutGroup],
-                       rewards: Sequence[np.ndarray]) -> list[list[RLBatch]]:
+    def update_batches(self, groups: Sequence[RolloutGroup], rewards: Sequence[np.ndarray],
+                       policy_version: int | None = None) -> list[list[RLBatch]]:
         """Per minibatch (`minibatches`), its `train.grad_threads` parts of `rows_per_part`
         rows, its responses split between them by tokens (`batch.balance_rows`: the parts'
         gradients take about as long); one part, the minibatch itself, without threads."""
         if self.grad_threads == 1:
-            return [[b] for b in self.minibatches(groups, rewards)]
+            return [[b] for b in self.minibatches(groups, rewards, policy_version)]
         out = []
-        for chunk, adv, signs, trained in self._chunks(groups, rewards):
+        for chunk, adv, signs, trained, stale in self._chunks(groups, rewards, policy_version):
             lengths = [len(p) + len(r.tokens) for p, r in chunk]
             keys = (prompt_keys([p for p, _ in chunk], [r.routed_experts for _, r in chunk])
                     if self.share_prompts else None)  # a prompt's responses in one part
             out.append([self._pack_chunk([chunk[i] for i in idx], adv[idx], signs[idx],
-                                         trained[idx], self.rows_per_part)
+                                         trained[idx], None if stale is None else stale[idx],
+                                         self.rows_per_part)
                         for idx in balanced_parts(lengths, self.grad_threads,
                                                   self.rows_per_part, keys)])
         return out
 
     def update(self, state: TrainState, groups: Sequence[RolloutGroup],
-               rewards: Sequence[np.ndarray]):
+               rewards: Sequence[np.ndarray], policy_version: int | None = None):
         """Old-policy pass over the whole rollout batch, then one update per minibatch (a
         batch of one minibatch: one fused update, see the module docstring). `rewards`: one
         float32 array per group (MS-ZVE's, `zve.groups_and_rewards`). A group with an
         unscored response raises `zve.UnscoredGroupError` before anything runs. A response
         whose reward call failed is left out of the loss (`trained_responses`,
-        `group_advantages`); `train/masked_failed_responses` counts them.
+        `group_advantages`); `train/masked_failed_responses` counts them. `policy_version`
+        (the worker layout): the learner's, so the mismatch metrics split the groups an older
+        policy sampled from the others (`step.old_policy_metrics`).
 
         Returns the new state and the metrics (means over minibatches, as numpy scalars)."""
         require_scored(groups)
         masked_failed = int(np.sum(~trained_responses(groups)))
         # Each process transfers only the rows of its own devices (the same on one process).
         batches = [[distributed.put_batch(b, self.batch_sharding) for b in parts]
-                   for parts in self.update_batches(groups, rewards)]
+                   for parts in self.update_batches(groups, rewards, policy_version)]
         kl = self.config.loss.kl_coef > 0
         if kl and self.ref_params is None:
             raise ValueError("loss.kl_coef > 0 needs the reference policy: call "
@@ -347,10 +362,24 @@ class Learner:
         for m in jax.device_get(metrics):
             for k, v in m.items():
                 merged.setdefault(k, []).append(np.asarray(v))
-        # Over the update's parts: maxima stay maxima, token counts add up, the rest average.
-        out = {k: float(np.max(v) if k.endswith("_max") else
-                        np.sum(v) if k.startswith("mismatch/tokens") else np.mean(v))
-               for k, v in merged.items()}
+        # Over the update's parts: maxima stay maxima, token counts add up, the mismatch
+        # figures weigh each part by its tokens of their kind (in the worker layout a part may
+        # hold no on-policy or no stale group), the rest average.
+        weights = {kind: np.asarray(merged.get(f"mismatch{kind}/tokens", [0.0]), np.float64)
+                   for kind in ("", "_stale")}
+
+        def combine(k, v):
+            if k.endswith("_max"):
+                return np.max(v)
+            if k.startswith(("mismatch/tokens", "mismatch_stale/tokens")):
+                return np.sum(v)
+            kind = "_stale" if k.startswith(("mismatch_stale/", "moe_stale/")) else ""
+            if kind or k.startswith(("mismatch/", "moe/routing_flip_rate")):
+                w = weights[kind]
+                return np.sum(np.asarray(v, np.float64) * w) / max(np.sum(w), 1.0)
+            return np.mean(v)
+
+        out = {k: float(combine(k, v)) for k, v in merged.items()}
         out["train/masked_failed_responses"] = float(masked_failed)
         if out.get("train/skipped_update", 0) > 0:
             logging.warning("non-finite loss or gradient: %d update(s) skipped",

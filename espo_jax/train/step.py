@@ -139,19 +139,40 @@ def old_policy_metrics(logp, ent, out, batch: RLBatch):
     """The old policy's train-inference mismatch (`espo_jax.mismatch.mismatch_metrics` of its
     `logp`, no gradient, against the engine's behaviour log-probs; the flip rate of its live
     routing against the recorded one) and its mean entropy. Returns (metrics, own_routing):
-    the experts the learner's own live router chooses (None without MoE layers)."""
+    the experts the learner's own live router chooses (None without MoE layers).
+
+    Where the batch says which sequences an older policy sampled (`RLBatch.stale`, the worker
+    layout), `mismatch/*` and `moe/routing_flip_rate*` are over the on-policy ones only (the
+    engine's numerics, as the single process measures them) and `mismatch_stale/*`,
+    `moe_stale/*` over the stale ones (numerics and the policy's change since)."""
     own = None
     if out.own_experts is not None and out.router_logits:
         own = out.own_experts
+    on_mask, stale_mask = batch.loss_mask, None
+    if batch.stale is not None:
+        on_mask = batch.loss_mask * (1.0 - batch.stale[:, None])
+        stale_mask = batch.loss_mask * batch.stale[:, None]
     routing, flipped = {}, None
     if own is not None and batch.routed_experts is not None:
         # Routing lives on the model's rows; `logp` on one row per sequence when packed.
-        routing, flipped = mismatch.routing_metrics(own, batch.routed_experts,
-                                                    batch.token_weights)
+        w = batch.token_weights
+        if batch.stale_tokens is None:
+            routing, flipped = mismatch.routing_metrics(own, batch.routed_experts, w)
+        else:
+            routing, flipped = mismatch.routing_metrics(own, batch.routed_experts,
+                                                        w * (1.0 - batch.stale_tokens))
+            stale, flipped_stale = mismatch.routing_metrics(own, batch.routed_experts,
+                                                            w * batch.stale_tokens)
+            routing |= {"moe_stale/" + k.removeprefix("moe/"): v for k, v in stale.items()}
+            flipped = flipped + flipped_stale  # disjoint tokens
         if batch.unpack is not None:
             flipped = unpack_rows(flipped, batch.unpack, batch.shards)
-    metrics = {**mismatch.logp_metrics(logp, batch.behaviour_logp, batch.loss_mask, flipped),
+    metrics = {**mismatch.logp_metrics(logp, batch.behaviour_logp, on_mask, flipped),
                **routing}
+    if stale_mask is not None:
+        metrics |= {"mismatch_stale/" + k.removeprefix("mismatch/"): v for k, v in
+                    mismatch.logp_metrics(logp, batch.behaviour_logp, stale_mask,
+                                          flipped).items()}
     metrics["entropy/mean"] = _masked_mean(ent, batch.loss_mask)
     return metrics, own
 

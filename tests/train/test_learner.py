@@ -457,6 +457,29 @@ def test_update_mismatch_metrics_measure_a_known_shift(learner_setup):
         assert measured[key] == pytest.approx(m[key], rel=1e-4, abs=1e-6), key
 
 
+def test_worker_layout_reports_mismatch_apart_for_stale_groups(learner_setup):
+    """In the worker layout `mismatch/*` is over the on-policy groups (staleness 0) and
+    `mismatch_stale/*` over the stale ones: here group "b" is on-policy with its behaviour
+    log-probs 0.1 above the learner's, "a" one version old with 0.3 above."""
+    _, params, make_state, generated = learner_setup
+    c = _learner_config()
+    c.train.loop = "async"
+    mesh = sharding.make_mesh(c.mesh, devices=jax.devices()[:2])
+    state = make_state(params)
+    learner = Learner(c, get_preset("tiny"), mesh, jax.tree.map(lambda x: x.sharding, state))
+    stale, _ = _groups(generated[:1], [[1.0, 0.0]], logp_shift=0.3)
+    fresh, _ = _groups(generated[1:], [[0.0, 1.0]], logp_shift=0.1)
+    groups = [dataclasses.replace(stale[0], policy_version=4),
+              dataclasses.replace(fresh[0], policy_version=5)]
+    _, m = learner.update(state, groups, _rewards([[1.0, 0.0], [0.0, 1.0]]), policy_version=5)
+    assert m["mismatch/logp_abs_mean"] == pytest.approx(0.1, abs=1e-4)
+    assert m["mismatch_stale/logp_abs_mean"] == pytest.approx(0.3, abs=1e-4)
+    # every response token counted once, on one side
+    tokens = [sum(len(r.tokens) for r in g.responses) for g in groups]
+    assert (m["mismatch_stale/tokens"], m["mismatch/tokens"]) == (tokens[0], tokens[1])
+    assert 0 <= m["moe_stale/routing_flip_rate"] <= 1 and "moe/routing_flip_rate" in m
+
+
 def test_update_skips_a_nan_minibatch(learner_setup):
     learner, params, make_state, generated = learner_setup
     state = make_state(params)
