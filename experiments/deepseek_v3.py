@@ -24,7 +24,9 @@ tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026
   - AdamW state (two float32 moments): 21,705,295,880 bytes (20.21 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
     it: `python -m espo_jax.bench aot --config experiments/deepseek_v3.py --topology v5p-512`
-    (experiments/results/README.md, "Fit on TPU").
+    (experiments/results/aot_deepseek_v3.json): 113.78 GiB per chip at peak, 119.8% of HBM: it
+    does not fit yet (experiments/results/README.md, "Fit on TPU", says what takes the memory);
+    the engine's decode call 47.92 GiB.
 
 Laptop-size variant (tiny random DeepSeek-V3 of the same family: MLA, YaRN, groups, shared
 expert, dense first layer; arithmetic, JAX engine, sync loop; what the tests run):

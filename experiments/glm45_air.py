@@ -25,8 +25,10 @@ tests/test_scale_configs.py), from abstract arrays on 32 fake CPU devices (2026-
     q/k/v biases and correction biases (whole)
   - AdamW state (two float32 moments): 26,721,170,440 bytes (24.89 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
-    it: `python -m espo_jax.bench aot --config experiments/glm45_air.py --topology v5p-64`
-    (experiments/results/README.md, "Fit on TPU").
+    it on 32 v5p chips, expert parallel: `python -m espo_jax.bench aot --config
+    experiments/glm45_air.py:expert=8 --topology v5p-64` (experiments/results/aot_glm45_air.json):
+    117.82 GiB per chip at peak, 124.0% of HBM: it does not fit yet (experiments/results/README.md,
+    "Fit on TPU", says what takes the memory); the engine's decode call 78.19 GiB.
 
 Laptop-size variant (tiny random GLM-4.5 of the same family: partial rotary, q/k/v bias, sigmoid
 router with a shared expert and a dense first layer; arithmetic, JAX engine, sync loop):

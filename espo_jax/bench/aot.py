@@ -249,6 +249,7 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
     if not config or not topology:
         raise CommandLineError("bench aot needs --config EXPERIMENT and --topology TOPOLOGY")
     gen, name, chips = parse_topology(topology)
+    commit = run_record.git_commit()  # the code compiled, not the checkout's after (minutes)
     experiment = load_experiment(config)
     n_mesh = math.prod(sharding.mesh_shape(experiment.mesh, chips))
     config_validation.validate(experiment, n_devices=n_mesh, check_paths=False)
@@ -267,7 +268,7 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
         part["fits"] = part["peak_bytes"] is not None and part["peak_bytes"] <= 0.9 * hbm
     figures = {
         "topology": name, "chips": chips, "hbm_bytes": hbm, "config": config,
-        "date": time.strftime("%Y-%m-%d"), "commit": run_record.git_commit(),
+        "date": time.strftime("%Y-%m-%d"), "commit": commit,
         "libtpu": _version("libtpu"),
         "n_layers": model_config.n_layers, "layers_compiled": model_config.n_layers,
         "params": model_config.param_count(), "master_dtype": MASTER_DTYPE,
