@@ -4,9 +4,8 @@ NAME is one of model, buffer, engine, zve, attention, peers, packing, profile, d
 linear_decode, real, mla_decode, aot, scan (see `espo_jax.bench`). zve also takes
 `--init_from WORKDIR`, `--budget TOKENS` and `--prompts N` (`espo_jax.bench.zve`); device_check
 `--dry_run` and `--budget_s S`, and writes --out after each of its sections
-(`espo_jax.bench.device_check`);
-profile `--programs a,b` (`espo_jax.bench.profile.PROGRAMS`); aot `--config EXPERIMENT` and
-`--topology TOPOLOGY` (`espo_jax.bench.aot`).
+(`espo_jax.bench.device_check`); profile `--programs a,b` (`espo_jax.bench.profile.PROGRAMS`);
+aot `--config EXPERIMENT` and `--topology TOPOLOGY` (`espo_jax.bench.aot`).
 """
 
 import importlib

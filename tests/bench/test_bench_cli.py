@@ -8,7 +8,7 @@ import sys
 import pytest
 
 NAMES = ("model, buffer, engine, zve, attention, peers, packing, profile, device_check, "
-         "linear_decode, real, mla_decode, aot")
+         "linear_decode, real, mla_decode, aot, scan")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -73,6 +73,19 @@ def test_packing_quick_same_loss_fewer_slots(tmp_path):
         assert 0 < f[name]["of_peak"] < 1
         assert f[name]["model_flops"] == pytest.approx(
             f[name]["of_peak"] * f[name]["update_s"] * f["peak_matmul_flops"])
+
+
+def test_scan_quick_program_size_does_not_grow_with_depth(tmp_path):
+    """`bench scan --quick`: the looped program holds every layer (8 layers, more than 2x the
+    instructions of 2), the scanned one holds one (the same size within its run's bookkeeping)."""
+    f = _quick("scan", tmp_path)
+    assert f["depths"] == [2, 8] and f["repeats"] == 1
+    loop, scanned = f["layouts"]["loop"], f["layouts"]["scan"]
+    assert loop["8"]["hlo_instructions"] > 2 * loop["2"]["hlo_instructions"]
+    assert abs(scanned["8"]["hlo_instructions"] - scanned["2"]["hlo_instructions"]) < 100
+    assert scanned["8"]["hlo_instructions"] < loop["8"]["hlo_instructions"]
+    assert f["scan_vs_loop_at_depth"] == pytest.approx(
+        loop["8"]["compile_s"] / scanned["8"]["compile_s"])
 
 
 def test_linear_decode_quick(tmp_path):
