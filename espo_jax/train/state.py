@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from espo_jax.models import scan
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -51,10 +53,16 @@ def make_schedule(optim: ml_collections.ConfigDict, total_steps: int) -> optax.S
 def make_optimizer(
     optim: ml_collections.ConfigDict, total_steps: int
 ) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; weight decay only on matrices (not norms or biases)."""
+    """AdamW with global-norm clipping; weight decay only on matrices (not norms or biases):
+    a layer's own matrices, the leading repeats axis of a scanned run (`models.scan`) not
+    counted."""
 
     def decay_mask(params):
-        return jax.tree.map(lambda p: p.ndim >= 2, params)
+        def is_matrix(path, p):
+            stacked = any(str(getattr(k, "key", "")).startswith(scan.PREFIX) for k in path)
+            return p.ndim - stacked >= 2
+
+        return jax.tree_util.tree_map_with_path(is_matrix, params)
 
     moment_dtype = jnp.dtype(optim.moment_dtype)
     tx = optax.chain(

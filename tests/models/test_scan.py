@@ -133,6 +133,30 @@ def test_layouts_convert_exactly():
     assert scan.stack(scanned, host) is host and scan.unstack(params) is params
 
 
+def test_weight_decay_is_the_loop_layouts():
+    """AdamW decays a layer's matrices only, whatever the layout: a scanned run's norm scales
+    ([repeats, D]) are not matrices. One step at zero gradient is the decay alone, -lr wd p."""
+    from espo_jax import configs
+    from espo_jax.train.state import make_optimizer
+
+    config = QWEN35_CYCLES
+    params = _init(config)
+    optim = configs.default_config().optim
+    optim.update(lr=0.1, warmup_steps=0, final_lr_frac=1.0, weight_decay=0.5)
+
+    def step(p):
+        tx = make_optimizer(optim, total_steps=1)
+        return tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p)[0]
+
+    loop = step(params)
+    assert float(jnp.max(jnp.abs(loop["layers_6"]["mlp_norm"]["scale"]))) == 0.0
+    np.testing.assert_allclose(loop["layers_7"]["attn"]["o_proj"]["kernel"],
+                               -0.05 * params["layers_7"]["attn"]["o_proj"]["kernel"],
+                               rtol=1e-6)
+    scanned = scan.unstack(step(scan.stack(config.replace(scan_layers=True), params)))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), scanned, loop))
+
+
 def test_repeats_axis_is_never_split():
     config = get_preset("qwen3_30b_a3b", n_layers=4, scan_layers=True)
     specs = sharding.logical_specs(config)
