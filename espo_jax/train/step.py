@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from espo_jax import mismatch, models
-from espo_jax.models import router
+from espo_jax.models import precision, router
 from espo_jax.rl import logprobs as rl_logprobs
 from espo_jax.rl import losses
 from espo_jax.rl.advantages import zvp_token_advantages
@@ -261,21 +261,27 @@ def _split_micro(tree, n_micro: int):
     return jax.tree.map(split, tree)
 
 
-def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None):
+def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None,
+                         model_config=None):
     """Loss, gradients and metrics of `batch` over `n_micro` equal micro-batches (lax.scan).
 
     `weight_fn(micro_batch)` is the denominator of the loss's mean (tokens or rows, see
     `losses.aggregation_weight`): micro-batch b enters with weight w_b / sum w, so the result
     equals the full batch's mean even when padding rows leave micro-batches unequal. Without it
-    every micro-batch weighs the same. The sums are float32 whatever the parameters' dtype."""
+    every micro-batch weighs the same. The sums are float32 whatever the parameters' dtype.
+    With `model_config`, the parameters the model reads in its compute dtype are cast to it
+    once and differentiated there (`precision.compute_params`): the same forward and products,
+    one float32 accumulator and no float32 gradient per micro-batch (with one micro-batch the
+    gradients come back in the parameters' dtype, a conversion XLA fuses into the update)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    compute = params if model_config is None else precision.compute_params(model_config, params)
     if n_micro == 1:
-        (loss, metrics), grads = grad_fn(params, batch)
-        return loss, grads, metrics
+        (loss, metrics), grads = grad_fn(compute, batch)
+        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metrics
     micro = _split_micro(batch, n_micro)
 
     def body(carry, mb):
-        (loss, metrics), grads = grad_fn(params, mb)
+        (loss, metrics), grads = grad_fn(compute, mb)
         w = jnp.ones(()) if weight_fn is None else weight_fn(mb).astype(jnp.float32)
         acc_loss, acc_grads, acc_w = carry
         acc_grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads, grads)
@@ -382,7 +388,8 @@ def rl_part_gradients(
         chunk_size=chunk_size, zvp_alpha=zvp_alpha, negative_scale=negative_scale, fused=fused)
     mode = losses.aggregation_mode(loss_config)
     weight_fn = lambda mb: losses.aggregation_weight(mb.loss_mask, mode)  # noqa: E731
-    loss, grads, metrics = accumulate_gradients(loss_fn, params, batch, n_micro, weight_fn)
+    loss, grads, metrics = accumulate_gradients(loss_fn, params, batch, n_micro, weight_fn,
+                                                model_config)
     return loss, grads, metrics, weight_fn(batch).astype(jnp.float32)
 
 
@@ -433,7 +440,8 @@ def sft_train_step(state: TrainState, batch, *, model_config, chunk_size: int, n
     """Supervised warm start: one update on `sft_loss`."""
     loss_fn = functools.partial(sft_loss, model_config=model_config, chunk_size=chunk_size)
     loss, grads, metrics = accumulate_gradients(
-        loss_fn, state.params, batch, n_micro, weight_fn=lambda mb: mb["mask"].sum())
+        loss_fn, state.params, batch, n_micro, weight_fn=lambda mb: mb["mask"].sum(),
+        model_config=model_config)
     state, skipped = apply_gradients(state, grads, loss)
     metrics = dict(metrics)
     metrics["train/grad_norm"] = _global_norm(grads)

@@ -187,3 +187,45 @@ def test_scale_experiment_update_runs(name):
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new.params),
                                                       jax.tree.leaves(params), strict=True)]
     assert np.mean(moved) > 0.9
+
+
+@pytest.mark.parametrize("preset", ["tiny_glm45", "tiny_deepseek_v3", "tiny_qwen35_moe"])
+def test_micro_batches_differentiate_the_compute_dtype_copy(preset):
+    """Over micro-batches the learner differentiates the leaves the model reads only in bf16
+    cast once (`precision.compute_params`), so no float32 gradient of the experts is held per
+    micro-batch. The forward on the cast copy is the forward on the masters bit for bit (a leaf
+    read in float32, such as the router's kernel, cast by mistake would change the loss), and
+    each gradient is the same bf16 product: the accumulated float32 gradients are the masters'
+    up to one bf16 rounding of each micro-batch's product, |d| <= u_bf16 (|w1 g1| + |w2 g2|)
+    with u_bf16 = 2^-8, bounded here by n u_bf16 max|g| per leaf over n micro-batches; one
+    micro-batch differentiates the cast copy too."""
+    from espo_jax.models import precision
+
+    config = get_preset(preset, dtype="bfloat16")
+    params = init_params(config, jax.random.key(0))
+    cast = precision.compute_params(config, params)
+    flat = {jax.tree_util.keystr(p): x.dtype for p, x in
+            jax.tree_util.tree_flatten_with_path(cast)[0]}
+    assert {d for k, d in flat.items() if "'router'" in k} == {jnp.dtype(jnp.float32)}
+    assert {d for k, d in flat.items() if k.endswith(("['wi_gate']", "['wo']"))} == {
+        jnp.dtype(jnp.bfloat16)}
+    assert flat["['embed']['embedding']"] == jnp.float32
+    batch = _batch(config)
+    kw = _grad_kw(config, 2)
+    loss_fn = functools.partial(step_lib.rl_loss, **{k: v for k, v in kw.items()
+                                                      if k != "n_micro"})
+    loss_of = jax.jit(lambda p: loss_fn(p, batch)[0])
+    assert float(loss_of(cast)) == float(loss_of(params))
+    accumulate = jax.jit(lambda p, model_config, n: step_lib.accumulate_gradients(
+        loss_fn, p, batch, n, model_config=model_config)[:2], static_argnums=(1, 2))
+    u = 2.0 ** -8
+    for n in (1, 2):
+        (loss_ref, g_ref), (loss_cast, g_cast) = (accumulate(params, None, n),
+                                                  accumulate(params, config, n))
+        assert float(loss_cast) == float(loss_ref)
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g_cast))
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_ref)[0],
+                                jax.tree.leaves(g_cast), strict=True):
+            a = np.asarray(a)
+            np.testing.assert_allclose(np.asarray(b), a, rtol=0, atol=n * u * np.abs(a).max(),
+                                       err_msg=f"{n} micro-batches {jax.tree_util.keystr(path)}")
