@@ -19,7 +19,7 @@ import numpy as np
 from espo_jax import distributed, sharding, task_prompts, tasks
 from espo_jax.models import hf_io, scan
 from espo_jax.models.config import ModelConfig, get_preset
-from espo_jax.models.tokenizer import load_tokenizer
+from espo_jax.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass

@@ -34,9 +34,9 @@ from typing import Any
 
 from espo_jax import extras
 from espo_jax.data.jsonl import json_objects
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import normalize_reward
 from espo_jax.rewards.verifiers import arith_step_credit, verify_arith, verify_math
+from espo_jax.tokenizer import CharTokenizer
 
 _CHAR = CharTokenizer()
 SPLIT_SEED_STRIDE = 1_000_003  # reasoning-gym seeds of a task's splits lie this far apart

@@ -14,7 +14,7 @@ import pytest
 from helpers.env import one_device_env
 
 from espo_jax import config_validation, configs, task_loading, task_prompts
-from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.tokenizer import CharTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = CharTokenizer()

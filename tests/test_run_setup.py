@@ -67,7 +67,7 @@ def test_the_vocabulary_is_checked_before_the_weights_are_read(tmp_path, monkeyp
 
     from espo_jax import run_setup
     from espo_jax.models import get_preset, hf_io, init_params
-    from espo_jax.models.tokenizer import CharTokenizer
+    from espo_jax.tokenizer import CharTokenizer
 
     small_vocab = get_preset("tiny", vocab_size=32)
     assert CharTokenizer().vocab_size > 32

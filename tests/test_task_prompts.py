@@ -12,7 +12,7 @@ import time
 import pytest
 
 from espo_jax import cli_errors, configs, task_prompts
-from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.tokenizer import CharTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from espo_jax import config_validation, configs, task_loading, task_prompts, tasks
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import RewardPool
+from espo_jax.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 

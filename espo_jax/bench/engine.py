@@ -34,11 +34,11 @@ from espo_jax.bench import format_table
 from espo_jax.bench.model import interleaved_medians
 from espo_jax.bench.peer_process import hf_generator
 from espo_jax.models import get_preset, hf_io, init_params
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rewards.pool import RewardPool
 from espo_jax.rollout import mismatch, scheduling
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.tokenizer import CharTokenizer
 
 _TOK = CharTokenizer()
 REWARD_COST_S = 0.02

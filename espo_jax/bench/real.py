@@ -64,10 +64,10 @@ from espo_jax.bench.peers import engine_shards, generate_flops_per_token
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import gguf, hf_io
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.tokenizer import HFTokenizer
 from espo_jax.rollout import mismatch as rollout_mismatch
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.tokenizer import HFTokenizer
 from espo_jax.train import state as state_lib
 from espo_jax.train.learner import Learner
 

@@ -31,7 +31,7 @@ _USAGE = ("usage: python -m espo_jax.buffer inspect DIR [--policy_version=N] "
 def _decoders(spec: str):
     """(prompt text, completion text) functions of the run's tokenizer. The command-line tool
     reads text for a person; the buffer contract itself never needs a tokenizer."""
-    from espo_jax.models.tokenizer import CharTokenizer, load_tokenizer
+    from espo_jax.tokenizer import CharTokenizer, load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     if isinstance(tokenizer, CharTokenizer):  # a sampled id past the vocabulary shows as U+FFFD

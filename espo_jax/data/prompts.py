@@ -36,7 +36,7 @@ class PromptSource(Sequence):
 
     Args:
       records: a random-access sequence of raw records (`builder.as_data_source()[split]`).
-      tokenizer: anything with `encode(text, add_bos=...)` (espo_jax.models.tokenizer).
+      tokenizer: anything with `encode(text, add_bos=...)` (espo_jax.tokenizer).
       template: for math_jsonl records, the prompt text `template.format(question=...)`;
         ignored for records that carry a ready `prompt` (arith_chains).
       levels: keep only these difficulty levels (None keeps all).

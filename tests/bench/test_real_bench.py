@@ -24,7 +24,7 @@ from espo_jax import bench  # noqa: E402
 from espo_jax.bench import peer_process, real  # noqa: E402
 from espo_jax.buffer.records import Response, RolloutGroup  # noqa: E402
 from espo_jax.models import gguf  # noqa: E402
-from espo_jax.models.tokenizer import HFTokenizer  # noqa: E402
+from espo_jax.tokenizer import HFTokenizer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

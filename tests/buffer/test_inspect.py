@@ -11,7 +11,7 @@ import numpy as np
 from espo_jax.buffer import BufferReader, BufferWriter
 from espo_jax.buffer.inspect import format_report, inspect_directory
 from espo_jax.buffer.records import Response, RolloutGroup
-from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 

@@ -7,7 +7,7 @@ import pytest
 from espo_jax.data.arith_chains import arith_chains_config
 from espo_jax.data.math_jsonl import math_jsonl_config
 from espo_jax.data.prompts import arith_chains_source, math_jsonl_source
-from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.tokenizer import CharTokenizer
 
 CONFIG = arith_chains_config(levels=((2, 1), (3, 2)), train_per_level=30, test_per_level=10,
                              seed=5)

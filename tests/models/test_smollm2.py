@@ -33,9 +33,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from espo_jax.models import forward, gguf, hf_io  # noqa: E402
-from espo_jax.models.tokenizer import HFTokenizer  # noqa: E402
 from espo_jax.rollout.engine import Engine, Request  # noqa: E402
 from espo_jax.rollout.sampling import SamplingConfig  # noqa: E402
+from espo_jax.tokenizer import HFTokenizer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]

@@ -15,10 +15,10 @@ pytest.importorskip("jetstream.engine.engine_api",
 from jetstream.engine import engine_api, token_utils  # noqa: E402
 
 from espo_jax import models  # noqa: E402
-from espo_jax.models.tokenizer import CharTokenizer  # noqa: E402
 from espo_jax.rollout.engine import Engine, Request  # noqa: E402
 from espo_jax.rollout.jetstream_adapter import JetStreamEngine  # noqa: E402
 from espo_jax.rollout.sampling import SamplingConfig  # noqa: E402
+from espo_jax.tokenizer import CharTokenizer  # noqa: E402
 
 MAX_NEW, STOP = 6, 2
 

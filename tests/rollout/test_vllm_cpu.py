@@ -27,7 +27,6 @@ import pytest
 
 from espo_jax import configs
 from espo_jax.models import hf_io
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rollout import vllm_cli, vllm_worker
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.vllm_worker import (
@@ -37,6 +36,7 @@ from espo_jax.rollout.vllm_worker import (
     moe_shape,
     require_vllm,
 )
+from espo_jax.tokenizer import CharTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT = REPO / "experiments" / "arith_espo.py"

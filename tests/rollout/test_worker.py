@@ -16,11 +16,11 @@ import pytest
 from espo_jax import models, run_setup
 from espo_jax.buffer import BufferReader, weights
 from espo_jax.buffer.shards import list_tmp_files
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rollout import mismatch
 from espo_jax.rollout import worker as worker_lib
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.worker_loop import RolloutWorker, WorkerConfig
+from espo_jax.tokenizer import CharTokenizer
 from espo_jax.zve import PromptScheduler
 
 CONFIG = models.get_preset("tiny")

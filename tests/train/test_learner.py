@@ -12,12 +12,12 @@ from helpers.fp32 import fp32_bound
 from espo_jax import config_validation, configs, sharding
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models.config import get_preset
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rl.advantages import ADVANTAGES, rl_zvp, zvp_signs
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout import mismatch
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.tokenizer import CharTokenizer
 from espo_jax.train import state as state_lib
 from espo_jax.train.advantages import group_advantages, trained_responses
 from espo_jax.train.batch import RLBatch

@@ -12,7 +12,7 @@ from helpers.zve_groups import make_group
 
 from espo_jax import configs
 from espo_jax.buffer.text import OUTCOMES, markdown_table, outcome_labels
-from espo_jax.models.tokenizer import CharTokenizer
+from espo_jax.tokenizer import CharTokenizer
 from espo_jax.train.metrics import MetricLogger
 from espo_jax.train.samples import COLUMNS, SampleLog, step_samples
 from espo_jax.zve.groups import ScoredGroup

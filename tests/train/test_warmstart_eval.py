@@ -7,9 +7,9 @@ import pytest
 
 from espo_jax import sharding
 from espo_jax.models.config import get_preset
-from espo_jax.models.tokenizer import CharTokenizer
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.tokenizer import CharTokenizer
 from espo_jax.train.evaluate import evaluate
 from espo_jax.train.warmstart import sft_batch, warm_seq_len
 

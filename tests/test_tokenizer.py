@@ -6,7 +6,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
-from espo_jax.models.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
+from espo_jax.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 
 # ---- CharTokenizer ---------------------------------------------------------------------------
