@@ -13,10 +13,17 @@ import os
 import ml_collections
 
 from espo_jax import sharding
-from espo_jax.choices import MOMENT_DTYPES, REPLAY_MODES
+from espo_jax.choices import (
+    BUILTIN_DATA,
+    ENGINE_PRECISIONS,
+    MOMENT_DTYPES,
+    REPLAY_MODES,
+    VLLM_DTYPES,
+    VLLM_QUANTIZATIONS,
+    VLLM_RELOADS,
+)
 from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
 from espo_jax.rewards.pool import BACKENDS as REWARD_BACKENDS
-from espo_jax.rollout.decode import PRECISIONS
 
 LOOPS = ("sync", "async")
 ENGINES = ("jax", "vllm")
@@ -90,7 +97,6 @@ _BOUNDS = (
     ("rollout.vllm.gpu_memory_utilization", 0.0, False, 1.0),
     ("rollout.vllm.tensor_parallel_size", 1, True, None),
 )
-VLLM_DTYPES = ("bfloat16", "float16", "float32", "auto")
 
 
 def _validate_paths(errors: list[str], config: ml_collections.ConfigDict,
@@ -219,17 +225,17 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     _choice(errors, config, "model.preset", PRESETS)
     _choice(errors, config, "model.dispatch", DISPATCHES)
     _choice(errors, config, "model.aux_loss_tokens", AUX_LOSS_TOKENS)
-    _choice(errors, config, "data.name", ("arith_chains", "math_jsonl"))
+    _choice(errors, config, "data.name", BUILTIN_DATA)
     _choice(errors, config, "eval.split", ("validation", "test"))
-    _choice(errors, config, "rollout.vllm.quantization", ("fp8", "none"))
-    _choice(errors, config, "rollout.vllm.reload", ("auto", "inplace", "rebuild"))
+    _choice(errors, config, "rollout.vllm.quantization", VLLM_QUANTIZATIONS)
+    _choice(errors, config, "rollout.vllm.reload", VLLM_RELOADS)
     _choice(errors, config, "rollout.vllm.dtype", VLLM_DTYPES)
     _validate_task(errors, config)
     _validate_paths(errors, config, check_paths)
     if check_paths:
         _validate_extras(errors, config)
     _choice(errors, config, "rollout.engine", ENGINES)
-    _choice(errors, config, "rollout.precision", PRECISIONS)
+    _choice(errors, config, "rollout.precision", ENGINE_PRECISIONS)
     _choice(errors, config, "rollout.reward_backend", REWARD_BACKENDS)
     _choice(errors, config, "advantage.name", ADVANTAGES)
     _choice(errors, config, "train.loop", LOOPS)

@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import json
 
+from espo_jax.choices import BUILTIN_DATA
 from espo_jax.tasks import (
     Task,
     arith_chains_task,
@@ -83,7 +84,7 @@ def task_name(config) -> str:
     return config.task or config.data.name
 
 
-BUILTIN = {"arith_chains": arith_chains_task, "math_jsonl": math_jsonl_task}
+BUILTIN = dict(zip(BUILTIN_DATA, (arith_chains_task, math_jsonl_task), strict=True))
 
 
 def load_task(config, workdir: str, tokenizer) -> Task:

@@ -24,11 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from espo_jax import models
+from espo_jax.choices import ENGINE_PRECISIONS
 from espo_jax.models import quant, scan
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout.sampling import sample
 
-PRECISIONS = ("fp32", "bf16", "fp8", "fp8_block")
+PRECISIONS = ENGINE_PRECISIONS
 FP8_SCHEMES = {"fp8": "channel", "fp8_block": "block"}  # precision -> `quant` scale scheme
 FREE, ACTIVE, DONE = 0, 1, 2  # slot phases
 

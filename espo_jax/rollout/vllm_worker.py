@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from espo_jax.choices import VLLM_RELOADS
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout.batching import GenerationGroup, Request
 from espo_jax.rollout.sampling import SamplingConfig
@@ -110,8 +111,8 @@ class VllmWorkerConfig:
             raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
-        if self.reload not in ("auto", "inplace", "rebuild"):
-            raise ValueError(f"reload must be 'auto', 'inplace' or 'rebuild', got {self.reload!r}")
+        if self.reload not in VLLM_RELOADS:
+            raise ValueError(f"reload must be one of {VLLM_RELOADS}, got {self.reload!r}")
 
     @property
     def sampler(self) -> str:
