@@ -21,7 +21,7 @@ Per device on the 256-device learner mesh (fsdp 32 x expert 8; `espo_jax.bench.a
 tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026-12-07):
   - float32 master parameters: 10,852,647,936 bytes (10.11 GiB): experts / 256, the rest / 256 but
     the MLA up-projections' low-rank side (/ 32), norms and correction biases whole
-  - AdamW state (two float32 moments): 21,705,295,880 bytes (20.21 GiB)
+  - AdamW state (two bf16 moments, as DeepSeek-V3 trained): 10,852,647,944 bytes (10.11 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
     it: `python -m espo_jax.bench aot --config experiments/deepseek_v3.py --topology v5p-512`
     (experiments/results/aot_deepseek_v3.json): 113.78 GiB per chip at peak, 119.8% of HBM: it
@@ -64,4 +64,9 @@ def get_config(arg: str | None = None):
     arg = configs.parse_arg(arg, **{**scale.ARGS, "expert": 8,
                                     "hf_path": "/models/DeepSeek-V3"})
     c = scale.espo_config(arg, PRESET, VOCAB, arg.devices or 256)
+    # bf16 Adam moments, as DeepSeek-V3 trained (arXiv 2412.19437, "Low-Precision Optimizer
+    # States")
+    c.optim.moment_dtype = "bfloat16"
+    c.model.attention_chunk = 256  # 128 heads: [128, 256, 16k] float32 scores, 2 GiB a chunk
+    c.model.ep_chunk = 1024  # dropless buffers of 8 x 1024 x 8 rows
     return scale.small(c, "tiny_deepseek_v3", arg) if arg.small else c

@@ -23,7 +23,8 @@ Per device on the 32-device learner mesh (fsdp 32; `espo_jax.bench.aot.state_byt
 tests/test_scale_configs.py), from abstract arrays on 32 fake CPU devices (2026-12-07):
   - float32 master parameters: 13,360,585,216 bytes (12.44 GiB): all / 32 but norms,
     q/k/v biases and correction biases (whole)
-  - AdamW state (two float32 moments): 26,721,170,440 bytes (24.89 GiB)
+  - AdamW state (two bf16 moments; float32 ones would not fit 32 chips): 13,360,585,224
+    bytes (12.44 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
     it on 32 v5p chips, expert parallel: `python -m espo_jax.bench aot --config
     experiments/glm45_air.py:expert=8 --topology v5p-64` (experiments/results/aot_glm45_air.json):
@@ -64,4 +65,15 @@ VOCAB = 151552  # GLM-4.5 tokenizer |V| (ESPO's log|V|)
 def get_config(arg: str | None = None):
     arg = configs.parse_arg(arg, **{**scale.ARGS, "hf_path": "/models/GLM-4.5-Air"})
     c = scale.espo_config(arg, PRESET, VOCAB, arg.devices or 32)
+    fit_memory(c)
     return scale.small(c, "tiny_glm45", arg) if arg.small else c
+
+
+def fit_memory(c) -> None:
+    """What brings the update under 90% of a v5p chip on 32 chips (`bench aot`, the docstring):
+    bf16 Adam moments (DeepSeek-V3's choice, arXiv 2412.19437, "Low-Precision Optimizer
+    States"; float32 moments are 12.44 GiB more per chip), query chunks of 256 and expert
+    exchanges of 1024 tokens."""
+    c.optim.moment_dtype = "bfloat16"
+    c.model.attention_chunk = 256
+    c.model.ep_chunk = 1024

@@ -25,9 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # parameters and AdamW state (the preset: the experiment's name unless given).
 FIGURES = {
     "deepseek_v3": dict(devices=256, mesh=(32, 8), total=671_026_419_200,
-                        active=37_552_297_472, params=10_852_647_936, optimizer=21_705_295_880),
+                        active=37_552_297_472, params=10_852_647_936, optimizer=10_852_647_944),
     "glm45_air": dict(devices=32, mesh=(32, 1), total=106_852_251_264, active=13_424_129_664,
-                      params=13_360_585_216, optimizer=26_721_170_440),
+                      params=13_360_585_216, optimizer=13_360_585_224),
     "qwen35_moe": dict(preset="qwen35_35b_a3b", devices=16, mesh=(2, 8), total=34_660_610_688,
                        active=3_454_988_928, params=8_669_501_952, optimizer=17_339_003_912),
 }
@@ -122,7 +122,8 @@ def test_mla_and_shared_expert_shardings():
 def test_state_bytes_per_device(name):
     f = FIGURES[name]
     c = get_preset(_preset(name))
-    got = aot.state_bytes(c, _abstract_mesh(*f["mesh"]))
+    moment_dtype = configs.experiment_config(name).optim.moment_dtype
+    got = aot.state_bytes(c, _abstract_mesh(*f["mesh"]), moment_dtype=moment_dtype)
     assert (got["params"], got["optimizer"]) == (f["params"], f["optimizer"])
     # By hand: the float32 masters split over fsdp x expert (experts: E over expert, their model
     # dimension over fsdp; MLA's up-projections over fsdp on their low-rank side), the RMSNorm
@@ -152,9 +153,11 @@ def test_state_bytes_per_device(name):
     rest = c.param_count() - experts - whole - biases - lora
     assert f["params"] == 4 * (experts // (fsdp * expert) + rest // (fsdp * expert)
                                + lora // fsdp + whole + biases)
-    # AdamW: two float32 moments per parameter, plus two int32 step counts (Adam's bias
-    # correction, the learning-rate schedule's)
-    assert f["optimizer"] == 2 * f["params"] + 8
+    # AdamW: two moments per parameter (float32; bf16 for DeepSeek-V3 and GLM-4.5-Air: half
+    # the masters' bytes each), plus two int32 step counts (Adam's bias correction, the
+    # learning-rate schedule's)
+    moment_bytes = {"float32": 4, "bfloat16": 2}[moment_dtype]
+    assert f["optimizer"] == 2 * f["params"] * moment_bytes // 4 + 8
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))

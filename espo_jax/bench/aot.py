@@ -71,10 +71,11 @@ def load_experiment(spec: str):
     return configs.import_file(path).get_config(arg[1:] or None)
 
 
-def state_bytes(config, mesh, rules=sharding.DEFAULT_RULES) -> dict[str, int]:
+def state_bytes(config, mesh, rules=sharding.DEFAULT_RULES,
+                moment_dtype: str = "float32") -> dict[str, int]:
     """Per-device bytes of the float32 master parameters and of the AdamW state
-    (`train.state.make_optimizer`, moments as `optim.moment_dtype`'s default) on `mesh` (a Mesh
-    or AbstractMesh); exact, from abstract arrays."""
+    (`train.state.make_optimizer`, its two moments in `moment_dtype`, `optim.moment_dtype`) on
+    `mesh` (a Mesh or AbstractMesh); exact, from abstract arrays."""
     from espo_jax.models.transformer import init_boxed
     from espo_jax.train.state import make_optimizer
 
@@ -86,14 +87,17 @@ def state_bytes(config, mesh, rules=sharding.DEFAULT_RULES) -> dict[str, int]:
         is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
     params = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
                  for x, s in zip(jax.tree.leaves(shapes), shards, strict=True))
-    opt = jax.eval_shape(make_optimizer(configs.default_config().optim, 10).init, shapes)
+    optim = configs.default_config().optim
+    optim.moment_dtype = moment_dtype
+    opt = jax.eval_shape(make_optimizer(optim, 10).init, shapes)
     moments = [x for x in jax.tree.leaves(opt) if x.ndim]
     # AdamW keeps mu and nu: two copies of every parameter, sharded as the parameter
-    if [(x.shape, x.dtype) for x in moments] != [(x.shape, x.dtype)
+    if [(x.shape, x.dtype) for x in moments] != [(x.shape, jnp.dtype(moment_dtype))
                                                  for x in jax.tree.leaves(shapes)] * 2:
         raise ValueError("the optimizer state is not two parameter-shaped moments")
     scalars = sum(x.dtype.itemsize for x in jax.tree.leaves(opt) if not x.ndim)
-    return {"params": params, "optimizer": 2 * params + scalars}
+    narrow = jnp.dtype(moment_dtype).itemsize / jnp.dtype(MASTER_DTYPE).itemsize
+    return {"params": params, "optimizer": int(2 * params * narrow) + scalars}
 
 
 def _abstract(tree, shardings):
