@@ -17,9 +17,13 @@ import ml_collections
 import numpy as np
 
 from espo_jax import distributed, sharding, task_prompts, tasks
+from espo_jax.buffer import flow
 from espo_jax.models import hf_io, scan
 from espo_jax.models.config import ModelConfig, get_preset
+from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax.rollout.worker_loop import WorkerConfig
 from espo_jax.tokenizer import load_tokenizer
+from espo_jax.zve import PromptScheduler
 
 
 @dataclasses.dataclass
@@ -94,6 +98,66 @@ def worker_share(prompts: Sequence[dict], index: int, num_workers: int) -> list[
         raise ValueError(f"worker {index} of {num_workers}: no training prompts for it (the "
                          f"training set has {len(prompts)})")
     return mine
+
+
+def sampling_config(config: ml_collections.ConfigDict, stop_tokens: Sequence[int]
+                    ) -> SamplingConfig:
+    """How every sampler of the run samples (`config.rollout`), stopping at `stop_tokens`."""
+    r = config.rollout
+    return SamplingConfig(r.temperature, r.top_k, r.top_p, r.max_new_tokens, tuple(stop_tokens))
+
+
+@dataclasses.dataclass
+class WorkerSetup:
+    """What a rollout worker is built from (`build_worker`), as `RunSetup` is the learner's."""
+    worker_config: WorkerConfig
+    scheduler: PromptScheduler  # over the worker's share of the RL prompts
+    task: tasks.Task
+    tokenizer: object
+    prompts: Sequence[dict]  # the worker's share
+    expected_model: ModelConfig  # the architecture the published weights must have
+
+
+def build_worker(config: ml_collections.ConfigDict, workdir: str, index: int = 0,
+                 num_workers: int = 1, *, writer: str = "rollout", **loop_args) -> WorkerSetup:
+    """Rollout worker `index` of `num_workers`: its prompts (`worker_share` of the RL pool),
+    its scheduler and RNG stream (seed * 1000 + index), and its `WorkerConfig`: weights from
+    WORKDIR/weights, groups to `buffer.dir` or WORKDIR/buffer as `{writer}-{index}`, status in
+    WORKDIR/workers, flow control from `train.max_staleness` and
+    `rollout.max_inflight_batches`; `loop_args`: the loop's own (`max_batches`,
+    `until_version`, `exit_with_parent`)."""
+    r = config.rollout
+    if r.prompts_per_step % num_workers:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "
+                         f"the {num_workers} workers (each samples prompts_per_step / "
+                         "num_workers prompts per batch)")
+    tokenizer = load_run_tokenizer(config)
+    task, train, *_ = prompt_sets(config, workdir, tokenizer)
+    mine = worker_share(train, index, num_workers)
+    seed = config.seed * 1000 + index
+    wc = WorkerConfig(
+        publish_dir=os.path.join(workdir, "weights"),
+        buffer_dir=config.buffer.dir or os.path.join(workdir, "buffer"),
+        writer_id=f"{writer}-{index}",
+        n_samples=config.zve.n_samples,
+        prompts_per_batch=r.prompts_per_step // num_workers,
+        sampling=sampling_config(config, (tokenizer.eos_id,)),
+        precision=r.precision,
+        max_slots=r.num_slots,
+        steps_per_sync=r.steps_per_sync,
+        prefill_rows=r.prefill_rows,
+        engine_shards=r.engine_shards,
+        max_cache_len=r.max_prompt_len + r.max_new_tokens,
+        reward_workers=r.reward_workers,
+        reward_timeout_s=r.reward_timeout_s,
+        reward_backend=r.reward_backend,
+        seed=seed,
+        max_ahead=flow.max_ahead(config.train.max_staleness, r.max_inflight_batches),
+        status_dir=os.path.join(workdir, "workers"),
+        **loop_args,
+    )
+    return WorkerSetup(wc, PromptScheduler(mine, config.zve, seed=seed), task, tokenizer, mine,
+                       model_architecture(config))
 
 
 # The learner's parameters: float32 masters whatever the checkpoint holds (`train/state.py`

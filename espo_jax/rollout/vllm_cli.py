@@ -22,7 +22,8 @@ import json
 import os
 from collections.abc import Sequence
 
-from espo_jax.rollout.sampling import SamplingConfig
+from espo_jax import run_setup
+from espo_jax.choices import VLLM_QUANTIZATIONS
 from espo_jax.rollout.vllm_worker import (
     VllmSampler,
     VllmWorkerConfig,
@@ -34,9 +35,9 @@ from espo_jax.rollout.vllm_worker import (
 def worker_config(config, stop_tokens: Sequence[int], seed: int) -> VllmWorkerConfig:
     """`config.rollout` sampling, `config.zve.n_samples` and `config.rollout.vllm`."""
     r, v = config.rollout, config.rollout.vllm
-    if v.quantization not in ("fp8", "none"):
+    if v.quantization not in VLLM_QUANTIZATIONS:
         raise ValueError(f"config.rollout.vllm.quantization={v.quantization!r} is not one of "
-                         "('fp8', 'none')")
+                         f"{VLLM_QUANTIZATIONS}")
     try:
         llm_kwargs = json.loads(v.llm_kwargs)
     except json.JSONDecodeError as e:
@@ -46,8 +47,7 @@ def worker_config(config, stop_tokens: Sequence[int], seed: int) -> VllmWorkerCo
                          f"{v.llm_kwargs!r}")
     return VllmWorkerConfig(
         n_samples=config.zve.n_samples,
-        sampling=SamplingConfig(r.temperature, r.top_k, r.top_p, r.max_new_tokens,
-                                tuple(stop_tokens)),
+        sampling=run_setup.sampling_config(config, stop_tokens),
         quantization=None if v.quantization == "none" else v.quantization,
         capture_routing=v.capture_routing, dtype=v.dtype, seed=seed,
         max_model_len=v.max_model_len or r.max_prompt_len + r.max_new_tokens,
@@ -64,7 +64,7 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # JAX only reads prompts here: the GPUs are vLLM's
-    from espo_jax import config_validation, run_setup
+    from espo_jax import config_validation
     from espo_jax.rollout import worker
 
     m = config.mesh  # the learner's mesh: nothing of it runs here

@@ -19,11 +19,8 @@ import os
 import jax
 
 from espo_jax import config_imports, run_setup, tasks
-from espo_jax.buffer import flow
 from espo_jax.rollout.sampler import Sampler
-from espo_jax.rollout.sampling import SamplingConfig
-from espo_jax.rollout.worker_loop import RolloutWorker, WorkerConfig
-from espo_jax.zve import PromptScheduler
+from espo_jax.rollout.worker_loop import RolloutWorker
 
 
 def main(argv: list[str]) -> int:
@@ -62,52 +59,23 @@ def main_from_config(config, workdir: str, index: int = 0, num_workers: int = 1,
     the learner is done, or on SIGTERM; `stats`: a JSON file for the run's counters.
     """
     config_imports.import_modules(config)  # a spawned worker has not validated its config
-    r = config.rollout
-    if r.prompts_per_step % num_workers:
-        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "
-                         f"the {num_workers} workers (each samples prompts_per_step / "
-                         "num_workers prompts per batch)")
-    tokenizer = run_setup.load_run_tokenizer(config)
-    task, train, *_ = run_setup.prompt_sets(config, workdir, tokenizer)
-    mine = run_setup.worker_share(train, index, num_workers)
-    scheduler = PromptScheduler(mine, config.zve, seed=config.seed * 1000 + index)
-    sampling = SamplingConfig(r.temperature, r.top_k, r.top_p, r.max_new_tokens,
-                              (tokenizer.eos_id,))
-    wc = WorkerConfig(
-        publish_dir=os.path.join(workdir, "weights"),
-        buffer_dir=config.buffer.dir or os.path.join(workdir, "buffer"),
-        writer_id=f"{'vllm' if sampler is not None else 'rollout'}-{index}",
-        n_samples=config.zve.n_samples,
-        prompts_per_batch=r.prompts_per_step // num_workers,
-        sampling=sampling,
-        precision=r.precision,
-        max_slots=r.num_slots,
-        steps_per_sync=r.steps_per_sync,
-        prefill_rows=r.prefill_rows,
-        engine_shards=r.engine_shards,
-        max_cache_len=r.max_prompt_len + r.max_new_tokens,
-        reward_workers=r.reward_workers,
-        reward_timeout_s=r.reward_timeout_s,
-        reward_backend=r.reward_backend,
-        seed=config.seed * 1000 + index,
-        max_batches=max_batches,
-        until_version=until_version,
-        max_ahead=flow.max_ahead(config.train.max_staleness, r.max_inflight_batches),
-        status_dir=os.path.join(workdir, "workers"),
-        exit_with_parent=exit_with_parent,
-    )
-    reward, target_fn = tasks.reward_fn(task)
+    setup = run_setup.build_worker(
+        config, workdir, index, num_workers, writer="vllm" if sampler is not None else "rollout",
+        max_batches=max_batches, until_version=until_version, exit_with_parent=exit_with_parent)
+    wc = setup.worker_config
+    reward, target_fn = tasks.reward_fn(setup.task)
     if log_path:  # a worker the learner spawned: its lines go to a file, not the console
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         log_file = open(log_path, "a")  # noqa: SIM115 (open for the worker's lifetime)
         log = functools.partial(print, file=log_file, flush=True)
     else:
         log = functools.partial(print, flush=True)
-    log(f"rollout worker {index} of {num_workers}: {len(mine)} prompts, "
+    log(f"rollout worker {index} of {num_workers}: {len(setup.prompts)} prompts, "
         f"{wc.prompts_per_batch} per batch, at most {wc.max_ahead} batches ahead of the learner")
-    worker = RolloutWorker(wc, scheduler, reward, detokenize=tasks.decoder(config, tokenizer),
-                           target_fn=target_fn, log=log, sampler=sampler, task_name=task.name,
-                           expected_model=run_setup.model_architecture(config))
+    worker = RolloutWorker(wc, setup.scheduler, reward,
+                           detokenize=tasks.decoder(config, setup.tokenizer), target_fn=target_fn,
+                           log=log, sampler=sampler, task_name=setup.task.name,
+                           expected_model=setup.expected_model)
     worker.install_signal_handlers()
     counters = worker.run()
     if stats:

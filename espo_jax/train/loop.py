@@ -25,7 +25,6 @@ from espo_jax.rewards.pool import RewardPool
 from espo_jax.rollout import scheduling
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.generate import generate_scored_groups
-from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.train import checkpoint
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
@@ -45,10 +44,7 @@ from espo_jax.zve import (
 
 def _engine(setup, precision: str) -> Engine:
     c = setup.config.rollout
-    sampling = SamplingConfig(
-        temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-        max_new_tokens=c.max_new_tokens, stop_tokens=(setup.tokenizer.eos_id,),
-    )
+    sampling = run_setup.sampling_config(setup.config, (setup.tokenizer.eos_id,))
     return Engine(setup.model_config, sampling=sampling, max_slots=c.num_slots,
                   steps_per_sync=c.steps_per_sync, prefill_rows=c.prefill_rows,
                   max_cache_len=c.max_prompt_len + c.max_new_tokens, precision=precision,
