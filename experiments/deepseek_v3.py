@@ -24,9 +24,9 @@ tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026
   - AdamW state (two bf16 moments, as DeepSeek-V3 trained): 10,852,647,944 bytes (10.11 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
     it: `python -m espo_jax.bench aot --config experiments/deepseek_v3.py --topology v5p-512`
-    (experiments/results/aot_deepseek_v3.json): 113.78 GiB per chip at peak, 119.8% of HBM: it
-    does not fit yet (experiments/results/README.md, "Fit on TPU", says what takes the memory);
-    the engine's decode call 47.92 GiB.
+    (experiments/results/aot_deepseek_v3.json): 81.52 GiB per chip at peak, 85.8% of HBM: it
+    fits (experiments/results/README.md, "Fit on TPU", says what took it from 113.78 GiB); the
+    engine's decode call 47.92 GiB.
 
 Laptop-size variant (tiny random DeepSeek-V3 of the same family: MLA, YaRN, groups, shared
 expert, dense first layer; arithmetic, JAX engine, sync loop; what the tests run):
@@ -46,6 +46,8 @@ Choices where the papers are silent (each can be overridden with `--config.x.y=.
     `espo_jax.models.moe_ep`).
   - The correction bias is frozen (`model.router_bias_update_rate` 0) and the load-balancing
     loss off (DeepSeek's config: auxiliary-loss-free).
+  - Memory: bf16 Adam moments (DeepSeek-V3's own), query chunks of 256
+    (`model.attention_chunk`), expert exchanges of 1024 tokens (`model.ep_chunk`).
   - Constant lr after 10 warm-up steps; 500 RL steps; staleness limit 1 policy version.
 """
 

@@ -33,7 +33,7 @@ tests/test_scale_configs.py), from abstract arrays on 16 fake CPU devices (2026-
   - AdamW state (two float32 moments): 17,339,003,912 bytes (16.15 GiB)
   - the whole update (every layer, its micro-batches, the state donated) as XLA:TPU compiles
     it: `python -m espo_jax.bench aot --config experiments/qwen35_moe.py --topology v5p-32`
-    (experiments/results/aot_qwen35_moe.json): 83.08 GiB per chip at peak, 87.5% of a v5p's
+    (experiments/results/aot_qwen35_moe.json): 74.89 GiB per chip at peak, 78.8% of a v5p's
     HBM; the engine's decode call 23.28 GiB.
 
 Laptop-size variant (tiny random Qwen3.5-MoE: linear and full layers, grouped value heads,

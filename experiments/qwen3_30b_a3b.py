@@ -27,7 +27,7 @@ experiments/results/attention_bench.json): 145.3 GiB of temporaries with full at
 Compiled by XLA:TPU for 16 v5p chips (fsdp 2 x expert 8), `python -m espo_jax.bench aot
 --config experiments/qwen3_30b_a3b.py:devices=16,expert=8 --topology v5p:2x2x4`
 (experiments/results/aot_qwen3_30b_a3b.json): the whole update, its 48 layers scanned, peaks at
-64.47 GiB per chip, 67.9% of HBM; the engine's decode call at 76.21 GiB, 80.2%.
+57.52 GiB per chip, 60.5% of HBM; the engine's decode call at 76.21 GiB, 80.2%.
 
 Laptop-size variant (tiny MoE, arithmetic, JAX engine, sync loop; what the tests run):
 

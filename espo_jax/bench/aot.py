@@ -23,6 +23,7 @@ import functools
 import math
 import os
 import re
+import resource
 import time
 
 import flax.linen as nn
@@ -32,6 +33,7 @@ import numpy as np
 import optax
 
 from espo_jax import config_validation, configs, run_record, sharding
+from espo_jax.bench import cpu_model
 from espo_jax.cli_errors import CommandLineError
 from espo_jax.run_setup import MASTER_DTYPE, preset_model_config
 
@@ -278,6 +280,11 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
         "params": model_config.param_count(), "master_dtype": MASTER_DTYPE,
         "moment_dtype": experiment.optim.moment_dtype, "learner": learner, "engine": engine,
     }
+    cpu, units = cpu_model()
+    figures.update(  # the compiling host: its CPU and the compiler's memory (peak RSS)
+        host_cpu=f"{cpu} ({'AVX-512' if 'avx512f' in units else 'no AVX-512'}), "
+                 f"{os.cpu_count()} cores",
+        host_peak_rss_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     print(f"{config} on {name} ({chips} chips, {hbm / GIB:.0f} GiB HBM each), "
           f"{model_config.n_layers} layers")
     for label, part in (("learner", learner), ("engine", engine)):

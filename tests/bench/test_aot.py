@@ -37,6 +37,7 @@ def test_tiny_moe_update_compiles_for_a_tpu_slice(tmp_path):
     assert (got["topology"], got["chips"], got["hbm_bytes"]) == ("v5e:2x2", 4, HBM["v5e"])
     assert got["master_dtype"] == "float32" and got["layers_compiled"] == got["n_layers"] == 2
     assert got["commit"] and got["libtpu"]
+    assert "AVX-512" in got["host_cpu"] and got["host_peak_rss_kb"] > 100_000  # JAX alone: more
     lr = got["learner"]
     assert lr["peak_bytes"] == (lr["argument_bytes"] + lr["output_bytes"] + lr["temp_bytes"]
                                 - lr["alias_bytes"]) > 0
