@@ -98,14 +98,27 @@ def _moe_every_for(moe_layers: tuple[int, ...], n_layers: int) -> int:
                      "mlp_only_layers) are not a pattern ModelConfig.moe_every can express")
 
 
-def config_to_hf(config: ModelConfig, *, dtype: str = "float32") -> dict[str, Any]:
+def config_to_hf(config: ModelConfig, *, dtype: str = "float32",
+                 model_type: str | None = None) -> dict[str, Any]:
     """The Hugging Face `config.json` dict for `config`: a model with MoE layers is Qwen3-MoE
     (q/k norm) or Qwen2-MoE (a shared expert, no q/k norm); a dense one (`moe_every == 0`) is
-    Qwen3 (q/k norm), Qwen2 (q/k/v bias) or Llama (neither). Raises for combinations no HF
-    architecture has."""
+    Qwen3 (q/k norm), Qwen2 (q/k/v bias) or Llama (neither); the hybrid family Qwen3-Next, or
+    Qwen3.5-MoE's text model where `model_type` asks. `model_type` (the checkpoint's own, when
+    it was read from one): the export keeps it or is refused naming both. Raises for
+    combinations no HF architecture has."""
+    hf = _config_to_hf(config, dtype, model_type)
+    if model_type and hf["model_type"] != model_type:
+        raise ValueError(f"the model read as {model_type} would be written as "
+                         f"{hf['model_type']}: espo_jax writes {model_type} only from its own "
+                         "family's config")
+    return hf
+
+
+def _config_to_hf(config: ModelConfig, dtype: str, model_type: str | None) -> dict[str, Any]:
     c = config
     if hf_qwen3_next.is_hybrid(c):
-        return hf_qwen3_next.config_to_hf(c, dtype)
+        own = model_type if model_type in hf_qwen3_next.ARCHITECTURES else "qwen3_next"
+        return hf_qwen3_next.config_to_hf(c, dtype, own)
     if c.router == "sigmoid_group" or c.attention == "mla":
         return hf_deepseek.config_to_hf(c, dtype)
     if c.qk_norm and (c.qkv_bias or c.shared_expert_d_ff):

@@ -354,10 +354,10 @@ def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ..
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def _hf_tensors(config: ModelConfig, params: dict,
-                np_dtype: Any) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_tensors(config: ModelConfig, params: dict, np_dtype: Any,
+                model_type: str) -> Iterator[tuple[str, np.ndarray]]:
     expected = _expected_shapes(config)
-    for ours, names, to_hf, _ in param_map(config):
+    for ours, names, to_hf, _ in param_map(config, model_type):
         value = _get(params, ours)
         if ours[-1] == "linear_attn":  # a Gated DeltaNet subtree
             for leaf, array in _leaves(ours, value):
@@ -380,8 +380,14 @@ def _hf_tensors(config: ModelConfig, params: dict,
 
 def save_pretrained(config: ModelConfig, params: dict, path: str, *, dtype: str | None = None,
                     max_shard_bytes: int = 5 * 2**30,
-                    extra_config: dict[str, Any] | None = None) -> list[str]:
+                    extra_config: dict[str, Any] | None = None,
+                    model_type: str | None = None) -> list[str]:
     """Writes config.json + safetensors (per-expert tensor names) for transformers and vLLM.
+
+    model_type: the family to write, the checkpoint's the model was read from
+    (`source_model_type`): a Qwen3.5-MoE model exports as `qwen3_5_moe_text` (its text model;
+    a multimodal checkpoint's vision tower and multi-token-prediction layers, skipped on read,
+    are not written), else the family `config` implies.
 
     dtype: tensor dtype on disk (default `config.param_dtype`). Above `max_shard_bytes` the
     tensors go into `model-0000i-of-0000n.safetensors` shards with `model.safetensors.index.json`.
@@ -392,7 +398,7 @@ def save_pretrained(config: ModelConfig, params: dict, path: str, *, dtype: str 
     params, config = scan.unstack(params), config.replace(scan_layers=False)
     if dtype not in _NP_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_NP_DTYPES)}")
-    hf = config_to_hf(config, dtype=dtype) | (extra_config or {})
+    hf = config_to_hf(config, dtype=dtype, model_type=model_type) | (extra_config or {})
     os.makedirs(path, exist_ok=True)
     for name in os.listdir(path):
         if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
@@ -409,7 +415,7 @@ def save_pretrained(config: ModelConfig, params: dict, path: str, *, dtype: str 
         save_file(shard, tmp_files[-1], metadata={"format": "pt"})
         shard.clear()
 
-    for name, array in _hf_tensors(config, params, _NP_DTYPES[dtype]):
+    for name, array in _hf_tensors(config, params, _NP_DTYPES[dtype], hf["model_type"]):
         if shard and size + array.nbytes > max_shard_bytes:
             flush()
             size = 0
@@ -431,6 +437,17 @@ def save_pretrained(config: ModelConfig, params: dict, path: str, *, dtype: str 
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
     return files + ["config.json"]
+
+
+def source_model_type(path: str) -> str | None:
+    """The `model_type` of the text model a Hugging Face directory holds (a `qwen3_5_moe`
+    checkpoint's `text_config`'s), None without a config.json: what `save_pretrained` writes
+    back."""
+    cfg_path = os.path.join(path, "config.json")
+    if not path or not os.path.isfile(cfg_path):
+        return None
+    with open(cfg_path) as f:
+        return hf_qwen3_next.text_config(json.load(f)).get("model_type")
 
 
 def exporter(config: ModelConfig, params: dict, **kwargs: Any) -> Callable[[str], None]:

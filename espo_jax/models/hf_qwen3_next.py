@@ -113,12 +113,19 @@ def is_hybrid(config: ModelConfig) -> bool:
     return bool(config.linear_layers) or config.attn_output_gate or config.norm_zero_centered
 
 
-def config_to_hf(config: ModelConfig, dtype: str) -> dict[str, Any]:
-    """`qwen3_next` config.json of `config` (`qwen3_5_moe_text` when every layer is MoE and a
-    dense d_ff is absent is not distinguishable; Qwen3-Next's is the general one). A config
-    neither can express is a ValueError naming the field."""
+def config_to_hf(config: ModelConfig, dtype: str, model_type: str = "qwen3_next"
+                 ) -> dict[str, Any]:
+    """The config.json of `config` as `model_type` writes it: `qwen3_next` (the general one) or
+    `qwen3_5_moe_text` (Qwen3.5-MoE's text model: every layer MoE, top-k weights renormalised;
+    what a Qwen3.5-MoE checkpoint read exports as, `hf_io.source_model_type`). A config the
+    family cannot express is a ValueError naming the field."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}")
     c = config
     bad = []
+    if model_type != "qwen3_next" and (c.moe_every != 1 or not c.norm_topk_prob):
+        bad.append(f"{model_type} needs every layer MoE (moe_every={c.moe_every}) with "
+                   f"norm_topk_prob (={c.norm_topk_prob})")
     for name in ("attn_output_gate", "norm_zero_centered", "qk_norm"):
         if not getattr(c, name):
             bad.append(f"{name}=False")
@@ -129,16 +136,18 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict[str, Any]:
     if c.rope_scaling != "default":
         bad.append(f"rope_scaling={c.rope_scaling!r}")
     if bad:
-        raise ValueError("config cannot be written as qwen3_next: " + "; ".join(bad))
+        raise ValueError(f"config cannot be written as {model_type}: " + "; ".join(bad))
+    only_next = {"intermediate_size": c.d_ff, "decoder_sparse_step": c.moe_every,
+                 "mlp_only_layers": [], "norm_topk_prob": c.norm_topk_prob}
     return {
-        "architectures": [ARCHITECTURES["qwen3_next"]], "model_type": "qwen3_next",
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim, "intermediate_size": c.d_ff, "num_experts": c.n_experts,
+        "head_dim": c.head_dim, "num_experts": c.n_experts,
         "num_experts_per_tok": c.top_k, "moe_intermediate_size": c.d_expert,
         "shared_expert_intermediate_size": c.shared_expert_d_ff,
-        "decoder_sparse_step": c.moe_every, "mlp_only_layers": [],
-        "norm_topk_prob": c.norm_topk_prob, "router_aux_loss_coef": c.aux_loss_coef,
+        **(only_next if model_type == "qwen3_next" else {}),
+        "router_aux_loss_coef": c.aux_loss_coef,
         "layer_types": [c.layer_type(i) for i in range(c.n_layers)],
         "linear_num_key_heads": c.linear_n_key_heads, "linear_key_head_dim":
         c.linear_key_head_dim, "linear_num_value_heads": c.linear_n_value_heads,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from espo_jax import console, distributed
+from espo_jax import console, distributed, run_setup
 from espo_jax.buffer import BufferReader, flow, weights
 from espo_jax.models import hf_io, scan
 from espo_jax.train.loop import Run, raise_failed_rewards
@@ -218,7 +218,10 @@ class AsyncRun(Run):
             logging.info("weights version %d is already published: keeping it", version)
         elif distributed.is_primary():
             config, host = rollout_weights(self.setup.model_config, host)
-            hf = hf_io.exporter(config, host) if self.config.rollout.engine == "vllm" else None
+            hf = None
+            if self.config.rollout.engine == "vllm":  # in the family the run read, if one
+                source = self.config.model.hf_path and run_setup.model_dir(self.config)
+                hf = hf_io.exporter(config, host, model_type=hf_io.source_model_type(source))
             weights.publish(self.publish_dir, version, config, host, hf_export=hf)
 
     # -- metrics ----------------------------------------------------------------------------

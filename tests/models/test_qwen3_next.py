@@ -23,7 +23,7 @@ from helpers.fp32 import fp32_bound
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig
 
-from espo_jax.models import forward, hf_io
+from espo_jax.models import forward, hf_io, hf_qwen3_next
 
 B, T = 2, 150
 _COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -41,20 +41,10 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Every weight random: zero-centred norms around 0, the gated norm around 1, decays
-    spread."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
-            elif name.endswith(("A_log", "dt_bias")):  # decays exp(g) ~ 0.5 to 0.95
-                p.copy_(0.5 * torch.randn_like(p) - 1.0)
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
-
+# zero-centred norms around 0, the gated norm around 1; decays exp(g) ~ 0.5 to 0.95
+_randomize = functools.partial(
+    hf_random.randomize, norm_centre=lambda name: 1.0 if "linear_attn.norm" in name else 0.0,
+    rules=((("A_log", "dt_bias"), (0.5, -1.0)),))
 
 @functools.cache
 def _hf_dir(case: str, root: str) -> str:
@@ -106,11 +96,16 @@ def test_logits_match_transformers(root, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_save_pretrained_loads_in_transformers(root, tmp_path, case):
+    """The export keeps the family it read (`source_model_type`): a Qwen3.5-MoE model written
+    as qwen3_next would not load as Qwen3.5-MoE (fused against split projections)."""
     src = _hf_dir(case, root)
     config, params = hf_io.from_pretrained(src)
-    hf_io.save_pretrained(config, params, str(tmp_path))
+    assert hf_io.source_model_type(src) == case
+    hf_io.save_pretrained(config, params, str(tmp_path), model_type=case)
     with open(tmp_path / "config.json") as f:
-        assert json.load(f)["model_type"] == "qwen3_next"
+        written = json.load(f)
+    assert (written["model_type"], written["architectures"]) == (
+        case, [hf_qwen3_next.ARCHITECTURES[case]])
     model, info = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -118,9 +113,21 @@ def test_save_pretrained_loads_in_transformers(root, tmp_path, case):
     with torch.no_grad():
         logits = model(torch.as_tensor(_tokens())).logits
     assert torch.equal(logits, ref.logits)  # same numbers, same code: bitwise equal
+    assert type(model).__name__ == hf_qwen3_next.ARCHITECTURES[case]
     back, params2 = hf_io.from_pretrained(str(tmp_path))
     assert back == config.replace(norm_topk_prob=back.norm_topk_prob)
     jax.tree.map(np.testing.assert_array_equal, params, params2)
+    # without a source family the hybrid config writes the general qwen3_next; a family that
+    # cannot hold the config is refused by name
+    hf_io.save_pretrained(config, params, str(tmp_path / "default"))
+    with open(tmp_path / "default" / "config.json") as f:
+        assert json.load(f)["model_type"] == "qwen3_next"
+    with pytest.raises(ValueError, match="read as llama would be written as"):
+        hf_io.save_pretrained(config, params, str(tmp_path / "x"), model_type="llama")
+    if case == "qwen3_next":  # its dense layers (decoder_sparse_step 2): not Qwen3.5-MoE's
+        with pytest.raises(ValueError, match="qwen3_5_moe_text needs every layer MoE"):
+            hf_io.save_pretrained(config.replace(moe_every=2), params, str(tmp_path / "y"),
+                                  model_type="qwen3_5_moe_text")
 
 
 def test_multimodal_config_mtp_and_vision_skipped(root, tmp_path, caplog):
