@@ -11,6 +11,33 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 
+def randomize(model: torch.nn.Module, norm_centre: Callable[[str], float] = lambda _: 1.0,
+              rules: tuple = ()) -> None:
+    """Every weight of `model` random, N(0, 0.15^2), but: norms `norm_centre(name)` +
+    N(0, 0.2^2) (HF's init leaves norms at 1 and biases at 0, which would hide a swapped
+    mapping), router weights N(0, 1) (top-k choices with clear margins), and first the family's
+    `rules`, ((name suffixes), (scale, shift)): N(shift, scale^2), buffers named by one too."""
+    def by_rule(name: str, x: torch.Tensor) -> bool:
+        for suffixes, (scale, shift) in rules:
+            if name.endswith(suffixes):
+                x.copy_(scale * torch.randn_like(x) + shift)
+                return True
+        return False
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if by_rule(name, p):
+                continue
+            if name.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn_like(p) + norm_centre(name))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+        for name, buf in model.named_buffers():
+            by_rule(name, buf)
+
+
 def save_random(config: PretrainedConfig, randomize: Callable, root: str, case: str) -> str:
     """`config`'s model, seeded by the case name, its weights set by `randomize(model)`, saved
     under `root/case`; returns the path."""

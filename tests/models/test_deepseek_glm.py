@@ -66,21 +66,9 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Every weight random (norms around 1), router weights large so choices have margins, and
-    a correction bias of the scores' own size, so it changes which experts are chosen."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.3 * torch.randn_like(buf))
-
+# a correction bias of the scores' own size, so it changes which experts are chosen
+_randomize = functools.partial(hf_random.randomize,
+                               rules=((("e_score_correction_bias",), (0.3, 0.0)),))
 
 @functools.cache
 def _hf_dir(case: str, root: str) -> str:

@@ -59,18 +59,7 @@ CASES = {
 DENSE_CASES = ("qwen3_dense", "qwen2_dense", "llama_tied")
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Every weight random (HF init leaves norms at 1 and biases at 0, which would hide a swapped
-    mapping); router weights large so the top-k choice has clear margins."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
-
+_randomize = hf_random.randomize
 
 @functools.cache
 def _hf_dir(case: str, root: str) -> str:
