@@ -144,6 +144,7 @@ def test_weight_decay_is_the_loop_layouts():
     optim = configs.default_config().optim
     optim.update(lr=0.1, warmup_steps=0, final_lr_frac=1.0, weight_decay=0.5)
 
+    @jax.jit
     def step(p):
         tx = make_optimizer(optim, total_steps=1)
         return tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p)[0]

@@ -189,8 +189,9 @@ def test_scale_experiment_update_runs(name):
     assert np.mean(moved) > 0.9
 
 
-@pytest.mark.parametrize("preset", ["tiny_glm45", "tiny_deepseek_v3", "tiny_qwen35_moe"])
-def test_micro_batches_differentiate_the_compute_dtype_copy(preset):
+@pytest.mark.parametrize("preset, micro", [("tiny_glm45", (1, 2)), ("tiny_deepseek_v3", (2,)),
+                                           ("tiny_qwen35_moe", (2,))])
+def test_micro_batches_differentiate_the_compute_dtype_copy(preset, micro):
     """Over micro-batches the learner differentiates the leaves the model reads only in bf16
     cast once (`precision.compute_params`), so no float32 gradient of the experts is held per
     micro-batch. The forward on the cast copy is the forward on the masters bit for bit (a leaf
@@ -198,7 +199,7 @@ def test_micro_batches_differentiate_the_compute_dtype_copy(preset):
     each gradient is the same bf16 product: the accumulated float32 gradients are the masters'
     up to one bf16 rounding of each micro-batch's product, |d| <= u_bf16 (|w1 g1| + |w2 g2|)
     with u_bf16 = 2^-8, bounded here by n u_bf16 max|g| per leaf over n micro-batches; one
-    micro-batch differentiates the cast copy too."""
+    micro-batch differentiates the cast copy too (GLM: its q/k/v biases are cast)."""
     from espo_jax.models import precision
 
     config = get_preset(preset, dtype="bfloat16")
@@ -214,12 +215,10 @@ def test_micro_batches_differentiate_the_compute_dtype_copy(preset):
     kw = _grad_kw(config, 2)
     loss_fn = functools.partial(step_lib.rl_loss, **{k: v for k, v in kw.items()
                                                       if k != "n_micro"})
-    loss_of = jax.jit(lambda p: loss_fn(p, batch)[0])
-    assert float(loss_of(cast)) == float(loss_of(params))
     accumulate = jax.jit(lambda p, model_config, n: step_lib.accumulate_gradients(
         loss_fn, p, batch, n, model_config=model_config)[:2], static_argnums=(1, 2))
     u = 2.0 ** -8
-    for n in (1, 2):
+    for n in micro:
         (loss_ref, g_ref), (loss_cast, g_cast) = (accumulate(params, None, n),
                                                   accumulate(params, config, n))
         assert float(loss_cast) == float(loss_ref)
