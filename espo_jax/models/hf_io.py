@@ -443,10 +443,9 @@ def source_model_type(path: str) -> str | None:
     """The `model_type` of the text model a Hugging Face directory holds (a `qwen3_5_moe`
     checkpoint's `text_config`'s), None without a config.json: what `save_pretrained` writes
     back."""
-    cfg_path = os.path.join(path, "config.json")
-    if not path or not os.path.isfile(cfg_path):
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
         return None
-    with open(cfg_path) as f:
+    with open(os.path.join(path, "config.json")) as f:
         return hf_qwen3_next.text_config(json.load(f)).get("model_type")
 
 

@@ -29,7 +29,6 @@ from espo_jax.models import quant, scan
 from espo_jax.models.config import ModelConfig
 from espo_jax.rollout.sampling import sample
 
-PRECISIONS = ENGINE_PRECISIONS
 FP8_SCHEMES = {"fp8": "channel", "fp8_block": "block"}  # precision -> `quant` scale scheme
 FREE, ACTIVE, DONE = 0, 1, 2  # slot phases
 
@@ -82,8 +81,8 @@ def engine_params(params: dict, config: ModelConfig, precision: str) -> tuple[di
     """Learner parameters converted for the engine, and the engine's model config: its MoE
     dispatch is exact (capacity's dropped tokens would be samples the learner cannot score)
     and, for the dropless layouts, the looped one (the same forward, no weight copies)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} unknown; choose one of {PRECISIONS}")
+    if precision not in ENGINE_PRECISIONS:
+        raise ValueError(f"precision {precision!r} unknown; choose one of {ENGINE_PRECISIONS}")
     dispatch = ("dropless_loop" if config.dispatch in ("dropless", "capacity")
                 else config.dispatch)
     # the engine's caches are per layer: a learner's scanned weights are read per layer too

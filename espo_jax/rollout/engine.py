@@ -58,7 +58,6 @@ from espo_jax.rollout.batching import (  # noqa: F401  (re-exported)
 from espo_jax.rollout.decode import (  # noqa: F401  (re-exported: the engine's public types)
     DONE,
     FP8_SCHEMES,
-    PRECISIONS,
     DecodeState,
     Prefix,
     SlotSampling,
