@@ -26,11 +26,11 @@ too little of it left is recorded as skipped):
                     router replay (`rollout.mismatch.measure_mismatch`), on random weights.
   pytest            a ~1 minute subset of the tests (models, losses, train step) on the device.
 
-Model FLOPs per trained token: 6 N + 6 L H (d_qk + d_v) W (PaLM, arXiv 2204.02311 App. B, with
-d_qk = d_v = A its 12 L H A T): N the weights a token multiplies (`ModelConfig.param_count(
-active=True)` less the embedding lookup), W the packed row width (no causal discount). MFU is
-given against the measured matmul rate and against the card's nominal dense bf16 rate (H100 /
-H200 SXM: 989 TFLOP/s; HBM 3.35 / 4.8 TB/s), where the device name says which card it is.
+Model FLOPs per trained token: `models.flops.train_flops_per_token` (6 N + 6 L H (d_qk + d_v) W,
+PaLM's arXiv 2204.02311 App. B with MLA's head dims; N the weights a token multiplies, W the
+packed row width, no causal discount). MFU is given against the measured matmul rate and
+against the card's nominal dense bf16 rate (H100 / H200 SXM: 989 TFLOP/s; HBM 3.35 / 4.8 TB/s),
+where the device name says which card it is.
 
 `--dry_run` runs every section's code on the CPU at tiny sizes (CI: tests/bench/
 test_device_check.py); its figures say only that the code runs. JAX 0.10 and 0.11 are supported
@@ -143,17 +143,6 @@ def model_config(family: str, dry_run: bool):
         qk_rope_head_dim=32, v_head_dim=64, rope_original_max_len=1024, max_seq_len=4096, **bf16)
 
 
-def train_flops_per_token(config, width: int) -> float:
-    """6 N + 6 L H (d_qk + d_v) W (module docstring)."""
-    c = config
-    n = c.param_count(active=True) - c.vocab_size * c.d_model  # the embedding lookup is no matmul
-    if c.attention == "mla":
-        qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-    else:
-        qk = v = c.head_dim
-    return 6.0 * n + 6.0 * c.n_layers * c.n_heads * (qk + v) * width
-
-
 def error_text(e: BaseException) -> str:
     """An exception as one line (its type and the start of its message)."""
     first = (str(e).strip().splitlines() or [""])[0]
@@ -234,6 +223,7 @@ def learner_update(config, params, sizes: Sizes, ctx: dict) -> dict:
     import numpy as np
 
     from espo_jax import sharding
+    from espo_jax.models.flops import train_flops_per_token
     from espo_jax.train import state as state_lib
     from espo_jax.train.learner import Learner
 

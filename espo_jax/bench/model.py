@@ -37,28 +37,11 @@ import optax
 from espo_jax.bench import format_table, median_time
 from espo_jax.bench.peer_process import torch_train_stepper
 from espo_jax.models import ModelConfig, forward, get_preset, hf_io, init_params
+from espo_jax.models.flops import train_flops_per_token
 from espo_jax.train import step as step_lib
 
 PRESETS = ("tiny", "small")
 LEARNING_RATE = 1e-4
-
-
-def matmul_params_per_token(config: ModelConfig) -> int:
-    """N: weights one token multiplies in a forward pass (embedding lookup excluded)."""
-    c = config
-    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # q, k, v, o
-    moe = c.d_model * c.n_experts + c.top_k * 3 * c.d_model * c.d_expert
-    if c.shared_expert_d_ff:
-        moe += 3 * c.d_model * c.shared_expert_d_ff + c.d_model
-    dense = 3 * c.d_model * c.d_ff
-    n_moe = c.n_moe_layers
-    return c.n_layers * attn + n_moe * moe + (c.n_layers - n_moe) * dense + c.d_model * c.vocab_size
-
-
-def train_flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """6 N + 12 L H A T (PaLM App. B): forward + backward matmul FLOPs per token."""
-    c = config
-    return 6 * matmul_params_per_token(c) + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len
 
 
 def peak_matmul_flops(n: int, repeats: int, dtype: str = "float32") -> float:

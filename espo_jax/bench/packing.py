@@ -12,7 +12,7 @@ gradients agree (tests/train/test_packing.py, tests/models/test_model.py); this 
 the time. Last, the update as the learner runs it (`train.grad_threads` parts of the rows,
 balanced by tokens with each prompt's responses together, each packed with shared prompts,
 their gradients at once on as many threads, joined into one AdamW update), and each layout's
-achieved model FLOP/s (PaLM's 6N + 12LHAT per computed real token, `bench model`) against the
+achieved model FLOP/s (PaLM's 6N + 12LHAT per computed real token, `models.flops`) against the
 peak of a jitted fp32 `jnp.dot` measured in the same process.
 
     python -m espo_jax.bench packing [--quick] [--out FILE.json]
@@ -32,8 +32,9 @@ import optax
 
 from espo_jax import configs
 from espo_jax.bench import format_table
-from espo_jax.bench.model import interleaved_medians, peak_matmul_flops, train_flops_per_token
+from espo_jax.bench.model import interleaved_medians, peak_matmul_flops
 from espo_jax.models import get_preset, init_params
+from espo_jax.models.flops import train_flops_per_token
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import step as step_lib
 from espo_jax.train.batch import balanced_parts, pack_sequences, prompt_keys

@@ -34,8 +34,9 @@ reported apart:
     as many threads, one AdamW update); one `jax.jit` program on all rows is timed beside it
     (`jax_one_program_tokens_per_s`).
 
-Each prints achieved model FLOP/s (PaLM's 6N + 12LHAT per trained token, 2N + attention per
-generated token) against the peak of a jitted fp32 `jnp.dot` measured in the same process.
+Each prints achieved model FLOP/s (`models.flops`: PaLM's 6N + 12LHAT per trained token, 2N +
+attention per generated token) against the peak of a jitted fp32 `jnp.dot` measured in the same
+process.
 """
 
 from __future__ import annotations
@@ -55,14 +56,13 @@ from espo_jax.bench import cpu_times, format_table
 from espo_jax.bench.model import (
     _jax_stepper,
     interleaved_medians,
-    matmul_params_per_token,
     peak_matmul_flops,
-    train_flops_per_token,
 )
 from espo_jax.bench.peer_process import PeerProcess, even_fraction
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig
+from espo_jax.models.flops import forward_flops_per_token, train_flops_per_token
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout.engine import Engine, Request, auto_shards
 from espo_jax.rollout.sampling import SamplingConfig
@@ -117,12 +117,6 @@ def prompt_texts(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     return ["".join(SYMBOLS[i] for i in rng.integers(0, len(SYMBOLS), PROMPT_LEN))
             for _ in range(n)]
-
-
-def generate_flops_per_token(config: ModelConfig, context: int) -> int:
-    """2N + 4LHA * context: forward matmul FLOPs of one generated token at that context."""
-    c = config
-    return 2 * matmul_params_per_token(c) + 4 * c.n_layers * c.n_heads * c.head_dim * context
 
 
 # ---- espo_jax -----------------------------------------------------------------------------------
@@ -301,7 +295,7 @@ def run(quick: bool) -> dict:
         gen_s = interleaved_medians({"espo": espo_gen, "hf": lambda: peer.request("generate")},
                                     repeats, block)
         espo_gen_s, hf_gen_s = gen_s["espo"], gen_s["hf"]
-        gen_flops = sum(generate_flops_per_token(model_config, PROMPT_LEN + t)
+        gen_flops = sum(forward_flops_per_token(model_config, PROMPT_LEN + t, decode=True)
                         for t in range(GEN_NEW)) * GEN_SEQS
         gen = {"espo_tokens_per_s": n_tokens / espo_gen_s, "hf_tokens_per_s": n_tokens / hf_gen_s,
                "espo_first_call_s": espo_gen_first, "espo_flops_per_s": gen_flops / espo_gen_s}

@@ -49,11 +49,12 @@ import optax
 
 from espo_jax import host_memory
 from espo_jax.bench import format_table, median_time
-from espo_jax.bench.model import jax_train_step, peak_matmul_flops, train_flops_per_token
+from espo_jax.bench.model import jax_train_step, peak_matmul_flops
 from espo_jax.bench.packing import espo_update, sequences
-from espo_jax.bench.peers import engine_shards, generate_flops_per_token
+from espo_jax.bench.peers import engine_shards
 from espo_jax.models import get_preset, init_params
 from espo_jax.models.config import ModelConfig
+from espo_jax.models.flops import forward_flops_per_token, train_flops_per_token
 from espo_jax.rollout import decode
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
@@ -291,7 +292,8 @@ def generate_program(config: ModelConfig, seqs: int, prompt_len: int, new_tokens
         compiled_text(decode.prefill_jit, engine.config, engine.params,
                       jnp.zeros((engine.prefill_rows, p), jnp.int32),
                       jnp.ones((engine.prefill_rows,), jnp.int32))])
-    flops = sum(generate_flops_per_token(config, prompt_len + t) for t in range(new_tokens)) * seqs
+    flops = seqs * sum(forward_flops_per_token(config, prompt_len + t, decode=True)
+                       for t in range(new_tokens))
     return call, modules, flops, seqs * new_tokens
 
 

@@ -33,8 +33,8 @@ runs in the benchmark's process, whose peak is reset before each side is built
 (`peer_process.reset_peak_rss`) and read after its first call. Sides never run at once: they
 take turns (`bench.model.interleaved_medians`, `block` repeats back to back per turn), medians
 of the repeats after a warm-up call. Achieved model FLOP/s (2N + attention per generated token
-at its mean context; 6N + 12LHAT per trained token) is set against the peak of a jitted
-`jnp.dot` in fp32 and bf16 measured in the same process. `--quick` keeps the first
+at its mean context; 6N + 12LHAT per trained token: `models.flops`) is set against the peak of
+a jitted `jnp.dot` in fp32 and bf16 measured in the same process. `--quick` keeps the first
 QUICK_LAYERS layers of the checkpoint (written as a checkpoint of its own, which every side
 reads) and tiny counts: a smoke test of the whole benchmark.
 """
@@ -58,12 +58,13 @@ import numpy as np
 
 from espo_jax import configs, host_memory, run_record, sharding
 from espo_jax.bench import cpu_model, cpu_times, format_table
-from espo_jax.bench.model import interleaved_medians, peak_matmul_flops, train_flops_per_token
+from espo_jax.bench.model import interleaved_medians, peak_matmul_flops
 from espo_jax.bench.peer_process import PeerProcess, peak_rss, reset_peak_rss
-from espo_jax.bench.peers import engine_shards, generate_flops_per_token
+from espo_jax.bench.peers import engine_shards
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import gguf, hf_io
 from espo_jax.models.config import ModelConfig
+from espo_jax.models.flops import forward_flops_per_token, train_flops_per_token
 from espo_jax.rollout import mismatch as rollout_mismatch
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
@@ -264,7 +265,7 @@ def run(quick: bool) -> dict:
 def _generation(config, params, model_dir, prompts, new, peer_env, peaks, repeats, block
                 ) -> dict:
     n, prompt_len = len(prompts), len(prompts[0])
-    flops = generate_flops_per_token(config, prompt_len + new // 2) * n * new
+    flops = forward_flops_per_token(config, prompt_len + new // 2, decode=True) * n * new
     out: dict[str, Any] = {"prompts": n, "new_tokens": new, "sides": {}}
     fns: dict[str, Any] = {}
     for precision in ENGINE_PRECISIONS:

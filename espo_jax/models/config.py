@@ -281,48 +281,11 @@ class ModelConfig:
         return len(self.moe_layers)
 
     def param_count(self, active: bool = False) -> int:
-        """Number of parameters; with `active`, only those one token uses (top_k experts)."""
-        d, a = self.d_model, self.head_dim
-        if self.attention == "mla":
-            attn = self._mla_param_count() + 2 * d
-        else:
-            attn = d * a * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * a * d + 2 * d
-            if self.qkv_bias:
-                attn += a * (self.n_heads + 2 * self.n_kv_heads)
-            if self.qk_norm:
-                attn += 2 * a
-        experts = self.top_k if active else self.n_experts
-        moe = d * self.n_experts + experts * 3 * d * self.d_expert
-        if self.shared_expert_d_ff:
-            moe += 3 * d * self.shared_expert_d_ff + d
-        moe += 3 * d * self.d_expert * self.n_shared_experts
-        if self.router == "sigmoid_group":
-            moe += self.n_experts  # the correction bias
-        if self.attn_output_gate:
-            attn += d * self.n_heads * a
-        dense = 3 * d * self.d_ff
-        n_moe, n_lin = self.n_moe_layers, len(self.linear_layers)
-        total = ((self.n_layers - n_lin) * attn + n_lin * self._linear_param_count()
-                 + n_moe * moe + (self.n_layers - n_moe) * dense)
-        embeds = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return total + embeds + d
+        """Number of parameters; with `active`, only those one token uses (top_k experts)
+        (`espo_jax.models.flops.param_count`)."""
+        from espo_jax.models import flops
 
-    def _linear_param_count(self) -> int:
-        """A Gated DeltaNet layer (projections, conv, A_log, dt_bias, gated norm) + its
-        pre-norm and the MLP's pre-norm, as `attn` counts them for attention layers."""
-        d, hk, hv = self.d_model, self.linear_n_key_heads, self.linear_n_value_heads
-        qk, v = hk * self.linear_key_head_dim, hv * self.linear_value_head_dim
-        return (d * (2 * qk + 2 * v + 2 * hv) + self.linear_conv_kernel * (2 * qk + v)
-                + 2 * hv + self.linear_value_head_dim + v * d + 2 * d)
-
-    def _mla_param_count(self) -> int:
-        d, h = self.d_model, self.n_heads
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        q = d * h * qk if not self.q_lora_rank else (
-            d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk)
-        kv = (d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-              + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim))
-        return q + kv + h * self.v_head_dim * d
+        return flops.param_count(self, active)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
