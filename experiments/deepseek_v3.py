@@ -15,7 +15,7 @@ transformers' DeepseekV3Config defaults (V3's config.json) plus its rope_scaling
     launch/slurm_vllm.sbatch          # learner nodes + vLLM nodes on a cluster
 
 Measured: not run at full scale (no GPU run). On paper: 671,026,419,200 parameters,
-37,552,297,472 active per token (embeddings included; `ModelConfig.param_count`, the same as
+37,552,297,472 active per token (embeddings included; `models.flops.param_count`, the same as
 `jax.eval_shape`'s; published: 671B / 37B, the multi-token-prediction layer not counted).
 Per device on the 256-device learner mesh (fsdp 32 x expert 8; `espo_jax.bench.aot.state_bytes`,
 tests/test_scale_configs.py), from abstract arrays on 256 fake CPU devices (2026-12-07):

@@ -18,7 +18,7 @@ zai-org/GLM-4.5-Air's config.json (also slime's glm4.5-106B-A12B launch script: 
 
 Measured: not run at full scale (no GPU run). On paper: 106,852,251,264 parameters,
 13,424,129,664 active per token, 12,182,615,808 without the embeddings (published: 106B / 12B;
-`ModelConfig.param_count`, the same as `jax.eval_shape`'s).
+`models.flops.param_count`, the same as `jax.eval_shape`'s).
 Per device on the 32-device learner mesh (fsdp 32; `espo_jax.bench.aot.state_bytes`,
 tests/test_scale_configs.py), from abstract arrays on 32 fake CPU devices (2026-12-07):
   - float32 master parameters: 13,360,585,216 bytes (12.44 GiB): all / 32 but norms,

@@ -18,7 +18,7 @@ multi-token-prediction layer.
 
 Measured: not run at full scale (no GPU run; the vLLM export and FP8 sampling of this family
 are not exercised by launch/gpu_check.sh). On paper: 34,660,610,688 parameters, 3,454,988,928
-active per token (embeddings included; `ModelConfig.param_count`). Logits of random tiny
+active per token (embeddings included; `models.flops.param_count`). Logits of random tiny
 models within 1e-4 of transformers 5.24 (tests/models/test_qwen3_next.py). A linear layer's
 decode cache is 2,146,304 bytes per slot whatever the length (bf16 conv windows, fp32 state;
 `gated_deltanet`), against 4 KiB per token for a full-attention layer's bf16 keys and values.

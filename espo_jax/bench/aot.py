@@ -35,6 +35,7 @@ import optax
 from espo_jax import config_validation, configs, run_record, sharding
 from espo_jax.bench import cpu_model
 from espo_jax.cli_errors import CommandLineError
+from espo_jax.models.flops import param_count
 from espo_jax.run_setup import MASTER_DTYPE, preset_model_config
 
 GIB = 1 << 30
@@ -277,7 +278,7 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
         "date": time.strftime("%Y-%m-%d"), "commit": commit,
         "libtpu": _version("libtpu"),
         "n_layers": model_config.n_layers, "layers_compiled": model_config.n_layers,
-        "params": model_config.param_count(), "master_dtype": MASTER_DTYPE,
+        "params": param_count(model_config), "master_dtype": MASTER_DTYPE,
         "moment_dtype": experiment.optim.moment_dtype, "learner": learner, "engine": engine,
     }
     cpu, units = cpu_model()

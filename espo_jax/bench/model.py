@@ -37,7 +37,7 @@ import optax
 from espo_jax.bench import format_table, median_time
 from espo_jax.bench.peer_process import torch_train_stepper
 from espo_jax.models import ModelConfig, forward, get_preset, hf_io, init_params
-from espo_jax.models.flops import train_flops_per_token
+from espo_jax.models.flops import param_count, train_flops_per_token
 from espo_jax.train import step as step_lib
 
 PRESETS = ("tiny", "small")
@@ -177,7 +177,7 @@ def run(quick: bool) -> dict:
         flops_tok = train_flops_per_token(config, seq)
         n_tok = batch * seq
         fig = {
-            "params": config.param_count(), "active_params": config.param_count(active=True),
+            "params": param_count(config), "active_params": param_count(config, active=True),
             "train_flops_per_token": flops_tok, "dispatch": config.dispatch,
             "jax_tokens_per_s": n_tok / jx["step_s"], "torch_tokens_per_s": n_tok / th["step_s"],
             "jax_mfu": flops_tok * n_tok / jx["step_s"] / peak,

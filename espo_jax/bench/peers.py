@@ -62,7 +62,7 @@ from espo_jax.bench.peer_process import PeerProcess, even_fraction
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.flops import forward_flops_per_token, train_flops_per_token
+from espo_jax.models.flops import forward_flops_per_token, param_count, train_flops_per_token
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout.engine import Engine, Request, auto_shards
 from espo_jax.rollout.sampling import SamplingConfig
@@ -235,8 +235,8 @@ def run(quick: bool) -> dict:
         model_config, params = hf_io.from_pretrained(model_dir)
         params = jax.tree.map(np.asarray, params)
         tok = char_tokenizer()
-        figures["params"] = model_config.param_count()
-        figures["active_params"] = model_config.param_count(active=True)
+        figures["params"] = param_count(model_config)
+        figures["active_params"] = param_count(model_config, active=True)
 
         # (a) GRPO step
         texts = prompt_texts(PROMPTS)

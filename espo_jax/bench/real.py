@@ -64,7 +64,7 @@ from espo_jax.bench.peers import engine_shards
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import gguf, hf_io
 from espo_jax.models.config import ModelConfig
-from espo_jax.models.flops import forward_flops_per_token, train_flops_per_token
+from espo_jax.models.flops import forward_flops_per_token, param_count, train_flops_per_token
 from espo_jax.rollout import mismatch as rollout_mismatch
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig
@@ -246,7 +246,7 @@ def run(quick: bool) -> dict:
         prompts = chat_prompts(tok, gen_n)
         prompt_len = len(prompts[0])
         figures.update(checkpoint=os.path.basename(model_dir.rstrip("/")), layers=config.n_layers,
-                       params=config.param_count(), prompt_len=prompt_len)
+                       params=param_count(config), prompt_len=prompt_len)
         figures["generation"], engine = _generation(config, params, model_dir, prompts,
                                                     gen_new, peer_env, peaks, repeats, block)
         figures["rl_update"] = _rl_update(config, params, model_dir, prompts[:rl_prompts],

@@ -280,13 +280,6 @@ class ModelConfig:
     def n_moe_layers(self) -> int:
         return len(self.moe_layers)
 
-    def param_count(self, active: bool = False) -> int:
-        """Number of parameters; with `active`, only those one token uses (top_k experts)
-        (`espo_jax.models.flops.param_count`)."""
-        from espo_jax.models import flops
-
-        return flops.param_count(self, active)
-
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

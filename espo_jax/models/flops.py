@@ -1,6 +1,6 @@
 """The parameter and FLOP model of a `ModelConfig`: one count for every family, read by every
-MFU and tokens/s figure (the benchmarks, the device check, the profile) and by
-`ModelConfig.param_count`.
+MFU and tokens/s figure (the benchmarks, the device check, the profile) and every parameter
+count (`param_count`).
 
 Model FLOPs per token (PaLM, arXiv 2204.02311 App. B, generalised to every token mixer here):
 

@@ -10,7 +10,8 @@ import jax
 import pytest
 from helpers.env import one_device_env
 
-from espo_jax.bench import device_check
+from espo_jax.bench import device_check, device_sections
+from espo_jax.models.flops import param_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SITECUSTOMIZE = """
@@ -68,8 +69,8 @@ def test_dry_run_every_section(tmp_path):
     rows = {(r["dispatch"], r["attention_impl"]): r
             for r in s["learner_qwen3_moe"]["figures"]["variants"]}
     ragged = rows[("ragged", "xla")]
-    cfg = device_check.model_config("qwen3_moe", dry_run=True)
-    groups, _ = device_check.synthetic_groups(cfg, 2, 2, 8, 8)
+    cfg = device_sections.model_config("qwen3_moe", dry_run=True)
+    groups, _ = device_sections.synthetic_groups(cfg, 2, 2, 8, 8)
     responses = sum(len(r.tokens) for g in groups for r in g.responses)
     sequences = sum(len(g.prompt_tokens) + len(r.tokens) for g in groups for r in g.responses)
     # packed rows hold each response, and each prompt at most once per response
@@ -82,7 +83,7 @@ def test_dry_run_every_section(tmp_path):
     engine = {r["precision"]: r for r in s["engine"]["figures"]["rows"]}
     # fp32 engine weights: 4 bytes per parameter but the embedding table; bf16 half of that;
     # E4M3 (1 byte, with float32 scales) less again
-    assert engine["fp32"]["weight_bytes"] == 4 * (cfg.param_count() - cfg.vocab_size * cfg.d_model)
+    assert engine["fp32"]["weight_bytes"] == 4 * (param_count(cfg) - cfg.vocab_size * cfg.d_model)
     assert engine["bf16"]["weight_bytes"] * 2 == engine["fp32"]["weight_bytes"]
     assert engine["fp8"]["weight_bytes"] < engine["bf16"]["weight_bytes"]
     # the fp32 KV cache: layers x slots x (prompt 4 + 8 new) x kv heads x head dim x (k, v) x 4

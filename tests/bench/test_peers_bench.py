@@ -10,6 +10,7 @@ import torch
 from espo_jax import host_memory
 from espo_jax.bench import peer_process, peers
 from espo_jax.models import forward, hf_io
+from espo_jax.models.flops import param_count
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def test_the_workload_model_is_the_issue_s_and_espo_reads_it_exactly(workload):
     # embed + head 2 * 64 * 128; per layer: q/o 128 * 128, k/v 128 * 64, q/k norms 2 * 32,
     # two norms 2 * 128, router 128 * 8, experts 8 * 3 * 128 * 256; final norm 128.
     per_layer = 2 * 128 * 128 + 2 * 128 * 64 + 64 + 256 + 1024 + 8 * 3 * 128 * 256
-    assert config.param_count() == 2 * 64 * 128 + 4 * per_layer + 128 == 3_364_224
+    assert param_count(config) == 2 * 64 * 128 + 4 * per_layer + 128 == 3_364_224
     tokens = np.random.default_rng(0).integers(0, 64, (2, 20))
     ours = np.asarray(forward(config, params, tokens).logits)
     model = AutoModelForCausalLM.from_pretrained(workload, dtype=torch.float32).eval()

@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
 from espo_jax.models import forward, hf_io, init_params, router
+from espo_jax.models.flops import param_count
 
 B, T = 2, 20  # T past the YaRN cases' original_max_position_embeddings (8)
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
@@ -117,7 +118,7 @@ def test_logits_and_routing_match_transformers(root, case):
     out = _jax_forward(config)(params, _tokens())
     # parameter count: transformers' parameters plus the correction-bias buffers
     n_hf = sum(p.numel() for p in hf_model.parameters()) + config.n_moe_layers * 8
-    assert config.param_count() == n_hf == sum(x.size for x in jax.tree.leaves(params))
+    assert param_count(config) == n_hf == sum(x.size for x in jax.tree.leaves(params))
     diff = float(np.max(np.abs(np.asarray(out.logits) - hf_out.logits.numpy())))
     print(f"{case}: max |logit diff| {diff:.2e}")
     assert diff < 1e-4

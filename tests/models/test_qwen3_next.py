@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig
 
 from espo_jax.models import forward, hf_io, hf_qwen3_next
+from espo_jax.models.flops import param_count
 
 B, T = 2, 150
 _COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -72,7 +73,7 @@ def test_logits_match_transformers(root, case):
     path = _hf_dir(case, root)
     config, params = hf_io.from_pretrained(path)
     hf_model, hf_out = _hf_forward(path)
-    assert config.param_count() == sum(p.numel() for p in hf_model.parameters()) == sum(
+    assert param_count(config) == sum(p.numel() for p in hf_model.parameters()) == sum(
         x.size for x in jax.tree.leaves(params))
     assert config.linear_layers == (0, 2, 3) and config.moe_layers == (
         (1, 3) if case == "qwen3_next" else (0, 1, 2, 3))
