@@ -9,9 +9,9 @@ from espo_jax.rl.losses import (
     ESPO_TOKEN_RATIOS,
     KL_ESTIMATORS,
     LOSSES,
-    TIS_MODES,
     unknown_loss,
 )
+from espo_jax.rl.tis import TIS_MODES
 
 AGGREGATIONS = ("auto", *AGGREGATION_MODES)
 _CHOICES = {

@@ -4,8 +4,9 @@ Every loss sees `[B, T]` arrays: `logp` (current policy, differentiable), `old_l
 the ratios are taken against; constant), per-token `advantages` (sequence advantages broadcast by
 the caller), a 0/1 `mask` of response tokens and, for ESPO, `entropy` of the old policy. A
 registered loss returns the per-token clipped surrogate (to maximise) and its ratio and clip
-bounds; `policy_loss` then applies truncated importance sampling, aggregates, adds the KL penalty
-and returns `loss = -objective + kl_coef * KL` with flat metrics.
+bounds; `policy_loss` then applies truncated importance sampling (`espo_jax.rl.tis`), aggregates,
+adds the KL penalty and returns `loss = -objective + kl_coef * KL` with flat metrics
+(`espo_jax.rl.token_stats`).
 
 `LOSSES` is the one registry: name -> `LossSpec(fn, aggregation, clip)`, the surrogate with the
 reduction and clip settings its paper reports. A new loss is a new function registered there
@@ -32,12 +33,13 @@ from espo_jax.rl.aggregation import (  # noqa: F401  (re-exported: losses.aggreg
     aggregate,
     aggregation_weight,
 )
+from espo_jax.rl.tis import TIS_MODES, tis_weights
+from espo_jax.rl.token_stats import masked_quantiles, masked_stats
 
 sg = jax.lax.stop_gradient
 
-# The names `policy_loss` branches on.
+# The names `policy_loss` branches on (and `tis.TIS_MODES`).
 KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_MODES = ("off", "token", "sequence")
 ESPO_TOKEN_RATIOS = ("gspo_token", "as_printed")
 
 
@@ -264,26 +266,6 @@ def aggregation_mode(config: ml_collections.ConfigDict) -> str:
     return LOSSES[config.name].aggregation if config.aggregation == "auto" else config.aggregation
 
 
-def _masked_stats(x, mask, prefix, neutral=1.0):
-    """`{prefix}mean`, `{prefix}min`, `{prefix}max` over valid tokens (`neutral` if none)."""
-    valid = mask > 0
-    count = jnp.maximum(valid.sum(), 1)
-    any_valid = valid.any()
-    return {
-        f"{prefix}mean": jnp.where(valid, x, 0.0).sum() / count,
-        f"{prefix}min": jnp.where(any_valid, jnp.where(valid, x, jnp.inf).min(), neutral),
-        f"{prefix}max": jnp.where(any_valid, jnp.where(valid, x, -jnp.inf).max(), neutral),
-    }
-
-
-def _masked_quantiles(x, mask, prefix, qs, neutral=1.0):
-    """`{prefix}p{100 q}` over valid tokens (`neutral` if none): the ratio's tails."""
-    valid = mask > 0
-    vals = jnp.nanquantile(jnp.where(valid, x, jnp.nan).reshape(-1), jnp.asarray(qs))
-    vals = jnp.where(valid.any(), vals, neutral)
-    return {f"{prefix}p{round(100 * q):02d}": vals[i] for i, q in enumerate(qs)}
-
-
 def _kl(logp, ref_logp, mask, estimator):
     """KL(pi || ref) per token from samples of pi: k1 = -d, k2 = d^2/2, k3 = e^d - d - 1."""
     d = jnp.where(mask > 0, sg(ref_logp) - logp, 0.0)
@@ -292,23 +274,6 @@ def _kl(logp, ref_logp, mask, estimator):
     if estimator == "k2":
         return 0.5 * d * d
     return jnp.exp(d) - d - 1.0
-
-
-_LOG_WEIGHT_CAP = 80.0  # exp(80) ~ 5.5e34 keeps raw-weight metrics finite in fp32
-
-
-def _tis_weights(old_logp, behaviour_logp, mask, level, cap):
-    """Truncated IS weight min(pi_old / pi_sampler, C) per token or per sequence, and metrics."""
-    m = mask.astype(old_logp.dtype)
-    log_w = jnp.where(m > 0, sg(old_logp) - sg(behaviour_logp), 0.0)
-    if level == "sequence":
-        log_w = jnp.broadcast_to(log_w.sum(axis=1, keepdims=True), log_w.shape)
-    raw = jnp.exp(jnp.minimum(log_w, _LOG_WEIGHT_CAP))
-    weights = jnp.exp(jnp.minimum(log_w, math.log(cap)))
-    stats = _masked_stats(raw, m, "tis/weight_")
-    stats.update(_masked_quantiles(raw, m, "tis/weight_", (0.99,)))
-    stats["tis/truncated_frac"] = ((log_w > math.log(cap)) * m).sum() / jnp.maximum(m.sum(), 1.0)
-    return weights, stats
 
 
 def policy_loss(
@@ -385,7 +350,7 @@ def policy_loss(
         metrics["pg/dual_clip_frac"] = (bound * m).sum() / jnp.maximum(m.sum(), 1.0)
     if behaviour_logp is not None:
         level = "sequence" if config.tis == "sequence" else "token"
-        weights, tis_stats = _tis_weights(old_logp, behaviour_logp, m, level, config.tis_cap)
+        weights, tis_stats = tis_weights(old_logp, behaviour_logp, m, level, config.tis_cap)
         metrics.update(tis_stats)
         if config.tis != "off":
             objective = objective * weights
@@ -402,8 +367,8 @@ def policy_loss(
     n_tok = jnp.maximum(m.sum(), 1.0)
     r = sur.ratio
     log_r = _masked_log_ratio(logp, old_logp, m)
-    metrics.update(_masked_stats(r, m, "is_ratio/"))
-    metrics.update(_masked_quantiles(r, m, "is_ratio/", (0.01, 0.05, 0.95, 0.99)))
+    metrics.update(masked_stats(r, m, "is_ratio/"))
+    metrics.update(masked_quantiles(r, m, "is_ratio/", (0.01, 0.05, 0.95, 0.99)))
     metrics.update(
         {
             "pg/clipfrac_low": (((adv < 0) & (r < sur.lower)) * m).sum() / n_tok,

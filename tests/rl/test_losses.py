@@ -315,7 +315,8 @@ def test_the_registry_does_not_import_the_config_section():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "espo_jax.rl.loss_config" not in imported and "loss_config" not in names, imported
-    assert {m for m in imported if m and m.startswith("espo_jax")} <= {"espo_jax.rl.aggregation"}
+    assert {m for m in imported if m and m.startswith("espo_jax")} <= {
+        "espo_jax.rl.aggregation", "espo_jax.rl.tis", "espo_jax.rl.token_stats"}
 
 
 def test_paper_configs_and_registry():
