@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 
-from espo_jax.bench import zve as zve_bench
+from espo_jax.bench import zve_spend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(REPO, "README.md")).read()
@@ -52,7 +52,7 @@ def test_ms_zve_table_is_the_stored_benchmark():
     assert len(configs) == 8 and len(rows) == 2
     rate = [f"{100 * c['zero_variance_groups'] / c['groups']:.1f}%" for c in configs.values()]
     # Stored before espo_jax.zve.accounting's names: read under them.
-    configs = {k: zve_bench.current_figures(c) for k, c in configs.items()}
+    configs = {k: zve_spend.current_figures(c) for k, c in configs.items()}
     zero_adv = [f"{100 * c['trained_zero_adv_tokens'] / c['trained_tokens']:.1f}%"
                 for c in configs.values()]
     assert rows["ZV rate, generated groups"] == rate

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from espo_jax.bench import zve as bench
+from espo_jax.bench.zve_spend import Spend, current_figures, engine_rollout, numbered, spend_budget
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import get_preset, init_params
 from espo_jax.rewards.pool import RewardPool
@@ -58,8 +59,8 @@ def _config(*stages, n_samples=2):
 
 def _spend(config, budget, prompts=PROMPTS, offline=None):
     policy = ScriptedPolicy()
-    return bench.spend_budget(prompts, config, policy, budget_tokens=budget,
-                              groups_per_step=2, max_len=16, offline_rollout=offline)
+    return spend_budget(prompts, config, policy, budget_tokens=budget,
+                        groups_per_step=2, max_len=16, offline_rollout=offline)
 
 
 def test_stage_configs_add_one_stage_at_a_time_then_drop_rl_zvp():
@@ -99,7 +100,7 @@ def test_offline_pass_counts_as_no_signal_and_is_shared():
     # 2 * (7 + 11) = 36 tokens, all with contrast. 52 + 36 = 88 < 104 <= 124 -> 2 steps.
     underlying, cache = ScriptedPolicy(), {}
     for _ in range(2):
-        offline = bench.numbered(lambda i, plan: underlying(plan), cache)
+        offline = numbered(lambda i, plan: underlying(plan), cache)
         s = _spend(_config("offline"), 104, offline=offline)
         assert (s.steps, s.tokens, s.offline_tokens, s.no_signal_tokens, s.pruned) == (
             2, 124, 52, 0, 2)
@@ -133,7 +134,7 @@ def test_a_budget_the_offline_pass_spends_alone_is_said_to_be_too_small():
     # Stage 0's pass costs 52 tokens (offline test above): a budget of 40 leaves its
     # configuration no step, a table row of dashes; plain GRPO steps twice (an epoch, 52).
     results = {"plain GRPO": _spend(_config(), 40), "+0 offline prune": _spend(
-        _config("offline"), 40, offline=bench.numbered(lambda i, plan: ScriptedPolicy()(plan)))}
+        _config("offline"), 40, offline=numbered(lambda i, plan: ScriptedPolicy()(plan)))}
     assert (results["plain GRPO"].steps, results["+0 offline prune"].steps) == (2, 0)
     row = [c.strip() for c in bench.table(results).splitlines()[-1].split("|")]
     assert row.count("-") == 3  # ZV rates generated and trained, zero-adv. trained tokens
@@ -155,10 +156,10 @@ def test_stored_figures_are_read_under_the_current_names():
                         "zve_bench.json")
     with open(path) as f:
         stored = json.load(f)["configurations"]["+0 offline prune"]
-    c = bench.current_figures(stored)
+    c = current_figures(stored)
     assert c["no_signal_tokens"] == stored["wasted_tokens"] - stored["offline_tokens"]
     assert c["trained_zero_adv_tokens"] == stored["trained_no_grad_tokens"]
-    s = bench.Spend(**{k: c[k] for k in bench.Spend.__dataclass_fields__})
+    s = Spend(**{k: c[k] for k in Spend.__dataclass_fields__})
     assert s.no_signal_token_frac_with_offline == pytest.approx(stored["wasted_frac"])
     assert s.no_signal_token_frac == pytest.approx(stored["online_wasted_frac"])
 
@@ -191,8 +192,8 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
     engine, pool, n_experts = engine_and_pool
     prompts = [{"prompt_id": f"q{i}", "tokens": [1, 3 + i, 7], "answer": ""} for i in range(6)]
     c = _config("zvp", n_samples=4)
-    generate = bench.engine_rollout(engine, pool, seed=0, n_experts=n_experts,
-                                    target_fn=lambda p: p["answer"])
+    generate = engine_rollout(engine, pool, seed=0, n_experts=n_experts,
+                              target_fn=lambda p: p["answer"])
     seen, calls = [], []
 
     def recording(i, plan):
@@ -202,8 +203,8 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
         return groups
 
     cache = {}
-    s = bench.spend_budget(prompts, c, bench.numbered(recording, cache), budget_tokens=60,
-                           groups_per_step=3, max_len=6)
+    s = spend_budget(prompts, c, numbered(recording, cache), budget_tokens=60,
+                     groups_per_step=3, max_len=6)
     # every response has 1..6 tokens: 3 groups x 4 responses = 12..72 tokens a step
     assert all(1 <= n <= 6 for g in seen for n in g.response_lengths)
     assert s.tokens == sum(int(g.response_lengths.sum()) for g in seen) >= 60
@@ -212,12 +213,12 @@ def test_engine_rollout_tokens_and_outcomes_add_up(engine_and_pool):
     assert 0 < sum(g.outcomes.sum() for g in seen) < 4 * len(seen)  # both outcomes occur
     assert pool.metrics()["reward/failed"] == 0 and calls == list(range(s.steps))
     # the same requests again: answered from the cache, generating nothing ...
-    again = bench.spend_budget(prompts, c, bench.numbered(recording, cache), budget_tokens=60,
-                               groups_per_step=3, max_len=6)
+    again = spend_budget(prompts, c, numbered(recording, cache), budget_tokens=60,
+                         groups_per_step=3, max_len=6)
     assert calls == list(range(s.steps))
     # ... and equal to generating them afresh (call i draws with key i)
-    fresh = bench.spend_budget(prompts, c, bench.numbered(generate), budget_tokens=60,
-                               groups_per_step=3, max_len=6)
+    fresh = spend_budget(prompts, c, numbered(generate), budget_tokens=60,
+                         groups_per_step=3, max_len=6)
     assert dataclasses.replace(again, wall_s=0.0) == dataclasses.replace(s, wall_s=0.0)
     assert dataclasses.replace(fresh, wall_s=0.0) == dataclasses.replace(s, wall_s=0.0)
 
