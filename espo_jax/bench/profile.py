@@ -317,12 +317,12 @@ def learner_program(config: ModelConfig, params: dict, quick: bool):
     bench real's `espo_bfloat16_packed`) on bench real's RL batch shape, random
     prompts and responses (behaviour log-probs near -3, half of each group rewarded);
     `modules` is a callable: the learner compiles its programs on the first call."""
-    from espo_jax.bench import real
+    from espo_jax.bench import real_workload
     from espo_jax.buffer.records import Response, RolloutGroup
 
-    n_prompts, samples, new, _ = real.rl_shape(quick)
+    n_prompts, samples, new, _ = real_workload.rl_shape(quick)
     prompt_len = 16 if quick else 45  # bench real's chat prompts: 45 tokens
-    cfg = real.rl_config(config, prompt_len, quick, packed=True)
+    cfg = real_workload.rl_config(config, prompt_len, quick, packed=True)
     config = dataclasses.replace(config, dtype="bfloat16")
     rng = np.random.default_rng(0)
     groups, rewards = [], []
@@ -337,7 +337,7 @@ def learner_program(config: ModelConfig, params: dict, quick: bool):
                                 logprobs=rng.normal(-3.0, 0.3, new).astype(np.float32),
                                 routed_experts=None, finish_reason="length", outcome=bool(v),
                                 reward=float(v)) for v in r], n_experts=0))
-    learner, call = real.learner_update(cfg, config, params, groups, rewards)
+    learner, call = real_workload.learner_update(cfg, config, params, groups, rewards)
 
     def modules() -> dict[str, str]:
         texts = [exe.as_text() for exe in learner._compiled.values()]
@@ -350,12 +350,12 @@ def learner_program(config: ModelConfig, params: dict, quick: bool):
 
 def smollm2(quick: bool) -> tuple[ModelConfig, dict]:
     """bench real's checkpoint (SmolLM2-135M-Instruct; its first 2 layers with `quick`)."""
-    from espo_jax.bench import real
+    from espo_jax.bench import real_workload
     from espo_jax.models import hf_io
 
     with tempfile.TemporaryDirectory() as tmp:
-        config, params = hf_io.from_pretrained(real.checkpoint(
-            tmp, real.QUICK_LAYERS if quick else None))
+        config, params = hf_io.from_pretrained(real_workload.checkpoint(
+            tmp, real_workload.QUICK_LAYERS if quick else None))
     return config, jax.tree.map(np.asarray, params)
 
 

