@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from espo_jax.bench import profile
+from espo_jax.bench import profile_attribution as attribution
 from espo_jax.bench.peers import hf_model_config
 from espo_jax.models import hf_io
 
@@ -15,8 +16,8 @@ def test_peers_model_is_the_peers_benchmark_model():
 
 
 def test_opcode_of_plain_and_tuple_types():
-    assert profile._opcode("f32[8,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}") == "dot"
-    assert profile._opcode("(s32[], (f32[2]{0}, f32[])) while(%t), condition=%c") == "while"
+    assert attribution._opcode("f32[8,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}") == "dot"
+    assert attribution._opcode("(s32[], (f32[2]{0}, f32[])) while(%t), condition=%c") == "while"
 
 
 def _loss(x, w, idx):
@@ -36,10 +37,10 @@ def _args():
 
 def test_ops_are_attributed_by_scope_direction_and_kind():
     grad = jax.jit(jax.grad(_loss, argnums=(0, 1)))
-    _, text = profile.compiled_text(grad, *_args())
-    table = profile.hlo_instructions(text)
-    found = {profile.classify(n, oc, op) for n, (oc, op) in table.items()
-             if oc not in profile._NOT_LEAVES}
+    _, text = attribution.compiled_text(grad, *_args())
+    table = attribution.hlo_instructions(text)
+    found = {attribution.classify(n, oc, op) for n, (oc, op) in table.items()
+             if oc not in attribution._NOT_LEAVES}
     # x @ w forward; dx = dh w^T and dw = x^T dh backward: all matmuls of the attn scope.
     assert ("attention", "forward", "matmul") in found
     assert ("attention", "backward", "matmul") in found
@@ -53,19 +54,19 @@ def test_ops_are_attributed_by_scope_direction_and_kind():
 def test_a_traced_program_is_attributed_and_adds_up():
     args = _args()
     grad = jax.jit(jax.grad(_loss, argnums=(0, 1)))
-    name, text = profile.compiled_text(grad, *args)
+    name, text = attribution.compiled_text(grad, *args)
     call = lambda: jax.block_until_ready(grad(*args))
     call()
-    ops = profile.traced_op_seconds(call, 2)
+    ops = attribution.traced_op_seconds(call, 2)
     assert any(module == name for module, _, _ in ops)
-    figures = profile.breakdown(ops, {name: text}, calls=2)
+    figures = attribution.breakdown(ops, {name: text}, calls=2)
     parts = sum(sum(p.values()) for p in figures["by_part_ms"].values())
     kinds = sum(figures["by_kind_ms"].values())
     assert parts > 0 and abs(parts - kinds) < 1e-9
     assert abs(figures["thread_ms_per_call"] - kinds - figures["unattributed_ms"]
                - figures["other_programs_ms"]) < 1e-9
     assert figures["by_kind_ms"]["matmul"] > 0
-    assert set(figures["by_part_ms"]) <= set(profile.PARTS)
+    assert set(figures["by_part_ms"]) <= set(attribution.PARTS)
 
 
 def test_generation_ops_are_attributed_to_the_programs_the_shards_run():
@@ -79,7 +80,7 @@ def test_generation_ops_are_attributed_to_the_programs_the_shards_run():
     call, modules, _, tokens = profile.generate_program(get_preset("tiny"), 8, 16, 16)
     assert tokens == 8 * 16 and call() == tokens
     assert {name.split(".")[0] for name in modules} == {"jit__generate", "jit__prefill"}
-    figures = profile.breakdown(profile.traced_op_seconds(call, 1), modules, calls=1)
+    figures = attribution.breakdown(attribution.traced_op_seconds(call, 1), modules, calls=1)
     total = figures["thread_ms_per_call"]
     attributed = sum(sum(p.values()) for p in figures["by_part_ms"].values())
     # Zero by construction (the same executables); 1% leaves room for an op the runtime adds.
