@@ -22,7 +22,8 @@ from espo_jax.choices import (
     VLLM_QUANTIZATIONS,
     VLLM_RELOADS,
 )
-from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES, PRESETS
+from espo_jax.models.config import AUX_LOSS_TOKENS, DISPATCHES
+from espo_jax.models.presets import PRESETS
 from espo_jax.rewards.pool import BACKENDS as REWARD_BACKENDS
 
 LOOPS = ("sync", "async")

@@ -34,7 +34,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.plumbing_check = False
 
     c.model = ml_collections.ConfigDict()
-    c.model.preset = "small"  # one of espo_jax.models.config.PRESETS
+    c.model.preset = "small"  # one of espo_jax.models.presets.PRESETS
     c.model.dispatch = "dropless_loop"  # MoE dispatch, one of DISPATCHES
     c.model.hf_path = ""  # initial weights and config: a Hugging Face directory or a .gguf file
     c.model.rope_theta = 0.0  # RoPE base; 0 keeps the preset's (Qwen3's 1e6)

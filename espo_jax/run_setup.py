@@ -19,7 +19,8 @@ import numpy as np
 from espo_jax import distributed, sharding, task_prompts, tasks
 from espo_jax.buffer import flow
 from espo_jax.models import hf_io, scan
-from espo_jax.models.config import ModelConfig, get_preset
+from espo_jax.models.config import ModelConfig
+from espo_jax.models.presets import get_preset
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.rollout.worker_loop import WorkerConfig
 from espo_jax.tokenizer import load_tokenizer

@@ -3,7 +3,7 @@ published block-FP8 weights, a sharded JAX learner with expert parallelism over 
 
 The ESPO recipe of experiments/qwen3_30b_a3b.py (arXiv 2512.00499: lr 1e-6, G = 8, temperature
 1.0, 128 prompts per rollout batch, 16k tokens, router replay R3, every MS-ZVE stage) on the
-DeepSeek-V3 architecture (`deepseek_v3` preset, `espo_jax/models/config.py`): 61 layers, the
+DeepSeek-V3 architecture (`deepseek_v3` preset, `espo_jax/models/presets.py`): 61 layers, the
 first 3 dense, multi-head latent attention (q_lora_rank 1536, kv_lora_rank 512, 128 heads of
 128 + 64 rope dims, values 128), YaRN factor 40 over 4096 tokens, 256 routed experts top-8 in
 8 groups searched 4 at a time, one shared expert, gates scaled by 2.5. The numbers are

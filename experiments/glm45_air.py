@@ -3,7 +3,7 @@ JAX learner.
 
 The ESPO recipe of experiments/qwen3_30b_a3b.py (arXiv 2512.00499: lr 1e-6, G = 8, temperature
 1.0, 128 prompts per rollout batch, 16k tokens, router replay R3, every MS-ZVE stage) on the
-GLM-4.5-Air architecture (`glm45_air` preset, `espo_jax/models/config.py`): 46 layers, the first
+GLM-4.5-Air architecture (`glm45_air` preset, `espo_jax/models/presets.py`): 46 layers, the first
 dense (10944 hidden), GQA 96 / 8 heads of 128 with half of each head rotated and a q/k/v bias,
 128 routed experts of 1408 top-8 (sigmoid router, correction bias, no groups, scale 1), one
 shared expert, |V| 151552. Sources: transformers' Glm4MoeConfig defaults, which its docstring

@@ -3,7 +3,7 @@ DeltaNet + gated attention) with the real-scale recipe of `moe_scale_common.py`.
 
 The ESPO recipe of experiments/qwen3_30b_a3b.py (arXiv 2512.00499: lr 1e-6, G = 8, temperature
 1.0, 128 prompts per rollout batch, 16k tokens, router replay R3, every MS-ZVE stage) on the
-`qwen35_35b_a3b` preset (`espo_jax/models/config.py`): 40 layers, every 4th full attention
+`qwen35_35b_a3b` preset (`espo_jax/models/presets.py`): 40 layers, every 4th full attention
 (16 / 2 heads of 256, a quarter rotated, sigmoid output gate), the others Gated DeltaNet (16 key
 heads x 128, 32 value heads x 128, conv 4); 256 experts of 512, top 8, a sigmoid-gated shared
 expert of 512; zero-centred RMSNorms. The numbers are transformers' Qwen3_5MoeTextConfig

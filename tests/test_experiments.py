@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from espo_jax import config_validation, configs, plot, sharding
 from espo_jax.models import init_params
-from espo_jax.models.config import get_preset
+from espo_jax.models.presets import get_preset
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import loop
 

@@ -68,9 +68,9 @@ def train_step_seconds(rows: int, length: int, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
 
-    from espo_jax.models import ModelConfig, forward, init_params
+    from espo_jax.models import forward, get_preset, init_params
 
-    config = ModelConfig.preset("small")
+    config = get_preset("small")
     params = init_params(config, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (rows, length), 0, config.vocab_size)
 

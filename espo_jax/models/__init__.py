@@ -40,7 +40,8 @@ With `scan_layers` a run of repeating layers is one entry "scan_{start}_{stop}" 
 """
 
 from espo_jax.models import moe, quant
-from espo_jax.models.config import PRESETS, ModelConfig, get_preset
+from espo_jax.models.config import ModelConfig
+from espo_jax.models.presets import PRESETS, get_preset
 from espo_jax.models.router import routing_flip_rate
 from espo_jax.models.transformer import (
     ModelOutput,

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from espo_jax import config_validation, configs, sharding  # noqa: E402
 from espo_jax.buffer.records import Response, RolloutGroup  # noqa: E402
-from espo_jax.models.config import get_preset  # noqa: E402
+from espo_jax.models.presets import get_preset  # noqa: E402
 from espo_jax.rl.loss_config import paper_loss_config  # noqa: E402
 from espo_jax.train import state as state_lib  # noqa: E402
 from espo_jax.train.checkpoint import Checkpointer  # noqa: E402

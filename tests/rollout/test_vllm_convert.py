@@ -257,7 +257,7 @@ def published(tmp_path, version, hf=True):
 def test_vllm_sampler_groups_seeds_and_reload(tmp_path, monkeypatch):
     import jax
 
-    from espo_jax.models.config import get_preset
+    from espo_jax.models.presets import get_preset
     from espo_jax.rollout import vllm_worker
     from espo_jax.rollout.batching import Generation, Request
     from espo_jax.rollout.sampling import SamplingConfig
@@ -326,7 +326,7 @@ def family_config(family: str):
     """3 layers, the first dense (`first_k_dense_replace` = 1): MoE layers 1 and 2, top-2 of 8
     experts in 4 groups (2 searched), one shared expert; MLA for DeepSeek-V3, GQA with partial
     rotary, q/k norm and bias for GLM-4.5."""
-    from espo_jax.models.config import get_preset
+    from espo_jax.models.presets import get_preset
 
     common = dict(n_layers=3, first_k_dense=1, router="sigmoid_group", n_group=4, topk_group=2,
                   n_shared_experts=1, routed_scaling_factor=2.5, aux_loss_coef=0.0)

@@ -11,7 +11,7 @@ from helpers.fp32 import fp32_bound
 
 from espo_jax import config_validation, configs, sharding
 from espo_jax.buffer.records import Response, RolloutGroup
-from espo_jax.models.config import get_preset
+from espo_jax.models.presets import get_preset
 from espo_jax.rl.advantages import ADVANTAGES, rl_zvp, zvp_signs
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout import mismatch

@@ -12,7 +12,7 @@ import pytest
 from espo_jax import config_validation, configs, sharding
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import router
-from espo_jax.models.config import get_preset
+from espo_jax.models.presets import get_preset
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout.engine import Engine, Request
 from espo_jax.rollout.sampling import SamplingConfig

@@ -18,7 +18,7 @@ import pytest
 from helpers.env import one_device_env
 
 from espo_jax import sharding
-from espo_jax.models.config import get_preset
+from espo_jax.models.presets import get_preset
 from espo_jax.train import state as state_lib
 from espo_jax.train.checkpoint import Checkpointer
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from espo_jax import sharding
-from espo_jax.models.config import get_preset
+from espo_jax.models.presets import get_preset
 from espo_jax.rollout.engine import Engine
 from espo_jax.rollout.sampling import SamplingConfig
 from espo_jax.tokenizer import CharTokenizer
