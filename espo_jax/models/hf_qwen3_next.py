@@ -185,7 +185,7 @@ def _grouped_split(config: ModelConfig) -> tuple[list[str], list[int]]:
 
 
 def linear_entry(config: ModelConfig, path: tuple[str, ...], hf: str, model_type: str) -> tuple:
-    """One `hf_io.param_map` entry for a whole Gated DeltaNet layer: (path of its subtree, HF
+    """One `hf_param_map.param_map` entry for a whole Gated DeltaNet layer: (path of its subtree, HF
     names, subtree -> HF arrays, getter -> subtree)."""
     c = config
     hk, hv = c.linear_n_key_heads, c.linear_n_value_heads
