@@ -37,6 +37,7 @@ from espo_jax.models import get_preset, init_params
 from espo_jax.models.flops import train_flops_per_token
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import step as step_lib
+from espo_jax.train.accumulation import join_parts
 from espo_jax.train.batch import balanced_parts, pack_sequences, prompt_keys
 
 PROMPT_LEN, NEW_TOKENS = 20, 52
@@ -120,7 +121,7 @@ def threaded_update(config, args, kw, threads: int, lr: float = 1e-4):
 
     @functools.partial(jax.jit, compiler_options=options)
     def apply(params, opt_state, outs):
-        loss, grads, _ = step_lib.join_parts(outs)
+        loss, grads, _ = join_parts(outs)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -2,6 +2,7 @@
 
 Each is a module-level pure function of `(state, batch)`; configs are bound with
 `functools.partial` and the result is jitted once with explicit shardings (see `compile.py`).
+Micro-batches and an update's parts are joined into its gradient by `train.accumulation`.
 
 Router replay (`replay`):
   "r3"  replay the routing recorded by the rollout engine in both the old-policy pass and the
@@ -19,10 +20,11 @@ import jax.numpy as jnp
 import ml_collections
 
 from espo_jax import mismatch, models
-from espo_jax.models import precision, router
+from espo_jax.models import router
 from espo_jax.rl import logprobs as rl_logprobs
 from espo_jax.rl import losses
 from espo_jax.rl.advantages import zvp_token_advantages
+from espo_jax.train.accumulation import accumulate_gradients, join_parts
 from espo_jax.train.batch import RLBatch
 from espo_jax.train.state import TrainState, apply_gradients
 
@@ -250,67 +252,6 @@ def rl_loss(params, batch: RLBatch, *, model_config, loss_config, replay, chunk_
     return loss + out.aux_loss, metrics
 
 
-def _split_micro(tree, n_micro: int):
-    def split(x):
-        if x is None:
-            return None
-        if x.shape[0] % n_micro:
-            raise ValueError(f"batch of {x.shape[0]} rows not divisible by {n_micro} micro-batches")
-        return x.reshape(n_micro, x.shape[0] // n_micro, *x.shape[1:])
-
-    return jax.tree.map(split, tree)
-
-
-def accumulate_gradients(loss_fn, params, batch, n_micro: int, weight_fn=None,
-                         model_config=None):
-    """Loss, gradients and metrics of `batch` over `n_micro` equal micro-batches (lax.scan).
-
-    `weight_fn(micro_batch)` is the denominator of the loss's mean (tokens or rows, see
-    `losses.aggregation_weight`): micro-batch b enters with weight w_b / sum w, so the result
-    equals the full batch's mean even when padding rows leave micro-batches unequal. Without it
-    every micro-batch weighs the same. The sums are float32 whatever the parameters' dtype.
-    With `model_config`, the parameters the model reads in its compute dtype are cast to it
-    once and differentiated there (`precision.compute_params`): the same forward and products,
-    one float32 accumulator and no float32 gradient per micro-batch (with one micro-batch the
-    gradients come back in the parameters' dtype, a conversion XLA fuses into the update)."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    compute = params if model_config is None else precision.compute_params(model_config, params)
-    if n_micro == 1:
-        (loss, metrics), grads = grad_fn(compute, batch)
-        return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metrics
-    micro = _split_micro(batch, n_micro)
-
-    def body(carry, mb):
-        (loss, metrics), grads = grad_fn(compute, mb)
-        w = jnp.ones(()) if weight_fn is None else weight_fn(mb).astype(jnp.float32)
-        acc_loss, acc_grads, acc_w = carry
-        acc_grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads, grads)
-        return (acc_loss + w * loss.astype(jnp.float32), acc_grads, acc_w + w), (metrics, w)
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    init = (jnp.zeros((), jnp.float32), zeros, jnp.zeros((), jnp.float32))
-    (loss, grads, total_w), (metrics, w_b) = jax.lax.scan(body, init, micro)
-    scale = 1.0 / jnp.maximum(total_w, 1e-12)
-    grads = jax.tree.map(lambda g: g * scale, grads)
-    return loss * scale, grads, weighted_metrics(metrics, w_b * scale)
-
-
-def weighted_metrics(metrics_P: dict, share_P: jax.Array) -> dict:
-    """Metrics of P parts of a batch (each stacked on a leading axis) as the whole batch's:
-    means weighted by each part's share of the loss's weight, extremes (`*max`, `/max_*`,
-    `*min`) as extremes, counts (`/num_*`, `mismatch/tokens*`) summed."""
-    def reduce(key, m):
-        if "/num_" in key or key.startswith("mismatch/tokens"):
-            return jnp.sum(m, axis=0)
-        if key.endswith("max") or "/max_" in key:
-            return jnp.max(m, axis=0)
-        if key.endswith("min"):
-            return jnp.min(m, axis=0)
-        return jnp.tensordot(share_P, m.astype(jnp.float32), axes=1)
-
-    return {key: reduce(key, m) for key, m in metrics_P.items()}
-
-
 def _finish_update(state: TrainState, loss, grads, metrics, anchor=None, *,
                    anchor_coef: float = 0.0):
     """One optimiser update on the RL gradient, plus `anchor_coef` times the supervised
@@ -399,22 +340,6 @@ def sft_part_gradients(params, batch, *, model_config, chunk_size: int):
     (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
         params, batch, model_config=model_config, chunk_size=chunk_size)
     return loss, grads, metrics, jnp.sum(batch["mask"]).astype(jnp.float32)
-
-
-def join_parts(parts):
-    """Loss, gradients and metrics of a batch from its parts' `rl_part_gradients` (or
-    `sft_part_gradients`): each a (loss, grads, metrics, weight); part p enters with weight
-    w_p / sum w, so the policy loss, its gradients and the metrics are the whole batch's
-    (`accumulate_gradients`' rule; the MoE aux loss, as there, is the same mean of each part's
-    own)."""
-    w_P = jnp.stack([p[3] for p in parts])
-    share_P = w_P / jnp.maximum(jnp.sum(w_P), 1e-12)
-    loss = jnp.dot(share_P, jnp.stack([p[0] for p in parts]))
-    grads = jax.tree.map(lambda *g: sum(s * x for s, x in zip(share_P, g, strict=True)),
-                         *(p[1] for p in parts))
-    metrics = weighted_metrics(jax.tree.map(lambda *m: jnp.stack(m), *(p[2] for p in parts)),
-                               share_P)
-    return loss, grads, metrics
 
 
 def rl_apply_parts(state: TrainState, parts, anchor_parts=None, *, anchor_coef: float = 0.0):

@@ -14,6 +14,7 @@ from espo_jax.models import get_preset, init_params
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rl.losses import LOSSES
 from espo_jax.train import step as step_lib
+from espo_jax.train.accumulation import join_parts
 from espo_jax.train.batch import pack_sequences
 
 CONFIG = get_preset("tiny")
@@ -177,7 +178,7 @@ def test_parts_join_to_the_whole_batch(setup, loss_name, replay, fused):
                                           n_micro=1, fused=fused, **kw)
 
     loss_a, g_a, m_a, w_a = part_grads(whole)
-    loss_b, g_b, m_b = jax.jit(step_lib.join_parts)([part_grads(p) for p in parts])
+    loss_b, g_b, m_b = jax.jit(join_parts)([part_grads(p) for p in parts])
     w_parts = [float(part_grads(p)[3]) for p in parts]
     assert w_parts[0] != w_parts[1] and sum(w_parts) == pytest.approx(float(w_a))
     assert abs(float(loss_a)) > 1e-6

@@ -18,6 +18,7 @@ from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.run_setup import MASTER_DTYPE, preset_model_config, runtime_overrides
 from espo_jax.train import state as state_lib
 from espo_jax.train import step as step_lib
+from espo_jax.train.accumulation import accumulate_gradients
 from espo_jax.train.async_loop import rollout_weights
 from espo_jax.train.batch import pack_sequences
 
@@ -215,7 +216,7 @@ def test_micro_batches_differentiate_the_compute_dtype_copy(preset, micro):
     kw = _grad_kw(config, 2)
     loss_fn = functools.partial(step_lib.rl_loss, **{k: v for k, v in kw.items()
                                                       if k != "n_micro"})
-    accumulate = jax.jit(lambda p, model_config, n: step_lib.accumulate_gradients(
+    accumulate = jax.jit(lambda p, model_config, n: accumulate_gradients(
         loss_fn, p, batch, n, model_config=model_config)[:2], static_argnums=(1, 2))
     u = 2.0 ** -8
     for n in micro:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from espo_jax.rl.losses import aggregate, aggregation_weight
-from espo_jax.train.step import accumulate_gradients
+from espo_jax.train.accumulation import accumulate_gradients
 
 # 4 rows of 3 tokens. Split in two micro-batches of 2 rows, the first holds 5 valid tokens in
 # 2 rows, the second 1 token in 1 row plus an all-padding row (what balance_rows leaves).
