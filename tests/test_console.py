@@ -6,7 +6,7 @@ import types
 import ml_collections
 
 from espo_jax import console
-from espo_jax.train import loop
+from espo_jax.train import run
 
 
 def test_progress_follows_the_share_it_is_given():
@@ -31,13 +31,13 @@ def _run(steps, max_tokens):
 def test_share_done_is_of_steps_or_of_the_budget_left_after_the_offline_pass():
     meta = {"generated_tokens": 30_000, "offline_tokens": 100_000}
     # no budget: steps only
-    assert loop.Run.share_done(_run(120, 0), 6, meta) == 6 / 120
+    assert run.Run.share_done(_run(120, 0), 6, meta) == 6 / 120
     # 260k budget, 100k spent offline before RL: 30k of the 160k left
-    assert loop.Run.share_done(_run(120, 260_000), 6, meta) == 30_000 / 160_000
+    assert run.Run.share_done(_run(120, 260_000), 6, meta) == 30_000 / 160_000
     # the steps further along than the tokens
-    assert loop.Run.share_done(_run(8, 260_000), 6, meta) == 6 / 8
+    assert run.Run.share_done(_run(8, 260_000), 6, meta) == 6 / 8
     # the offline pass alone spent the budget
-    assert loop.Run.share_done(_run(120, 90_000), 0, meta) == 1.0
+    assert run.Run.share_done(_run(120, 90_000), 0, meta) == 1.0
     meta["generated_tokens"] = 160_000
-    assert loop.Run.finished(_run(120, 260_000), 1, meta)
-    assert loop.Run.share_done(_run(120, 260_000), 1, meta) == 1.0
+    assert run.Run.finished(_run(120, 260_000), 1, meta)
+    assert run.Run.share_done(_run(120, 260_000), 1, meta) == 1.0

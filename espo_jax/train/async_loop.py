@@ -42,8 +42,8 @@ import numpy as np
 from espo_jax import console, distributed, run_setup
 from espo_jax.buffer import BufferReader, flow, weights
 from espo_jax.models import hf_io, scan
-from espo_jax.train.loop import Run, raise_failed_rewards
 from espo_jax.train.metrics import rollout_metrics
+from espo_jax.train.run import Run, raise_failed_rewards
 from espo_jax.zve import (
     OnlineFilter,
     ScoredGroup,

@@ -3,7 +3,7 @@
 A checkpoint holds the train state arrays (params, optimiser state, step, skip counter, RNG)
 and a JSON item `meta` with the host-side state: the buffer reader cursor, the prompt
 scheduler's state, the policy version, the run phase and anything else the loop records.
-Resume order (`start_point`, `loop.Run._start`): WORKDIR's latest checkpoint, then its
+Resume order (`start_point`, `run.Run._start`): WORKDIR's latest checkpoint, then its
 warm-started policy, then `config.checkpoint.init_from`, then from scratch. Before any work the
 checkpoint a run will start from is found and its parameter shapes compared with the config's
 model (`check_params`), so a path that holds no checkpoint, or one of another architecture, is
