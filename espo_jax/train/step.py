@@ -1,7 +1,8 @@
 """The learner's pure functions: old-policy pass, RL update step, supervised warm-start step.
 
 Each is a module-level pure function of `(state, batch)`; configs are bound with
-`functools.partial` and the result is jitted once with explicit shardings (see `compile.py`).
+`functools.partial` and the result is jitted once with explicit shardings
+(`train.learner.Learner`).
 Micro-batches and an update's parts are joined into its gradient by `train.accumulation`.
 
 Router replay (`replay`):
