@@ -8,7 +8,8 @@ rollout batch with the supervised anchor. The four experiments differ by the los
 
 Each experiment imports this file by path (`configs.import_file` on the file next to it), so it
 loads the same way under `--config experiments/<name>.py` and in the tests. What each value
-measured, and the values tried before it, are in `experiments/results/README.md` ("Recipe log").
+measured is in `experiments/results/README.md` ("Recipe log"); the values tried before it are in
+that file's git history.
 """
 
 import ml_collections
