@@ -12,7 +12,7 @@ import os
 
 import ml_collections
 
-from espo_jax import sharding
+from espo_jax import mesh_rules
 from espo_jax.choices import (
     BUILTIN_DATA,
     ENGINE_PRECISIONS,
@@ -243,7 +243,7 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     _choice(errors, config, "train.replay", REPLAY_MODES)
     _choice(errors, config, "optim.moment_dtype", MOMENT_DTYPES)
     try:
-        sharding.rules_from_config(config.mesh)
+        mesh_rules.rules_from_config(config.mesh)
     except ValueError as e:
         errors.append(str(e))
     for key, low, low_ok, high in _BOUNDS:
@@ -310,8 +310,8 @@ def validate(config: ml_collections.ConfigDict, n_devices: int = 1, *,
     if not errors:
         mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
         one_device = mesh == 1
-        axes = sharding.batch_axes(sharding.rules_from_config(config.mesh))
-        shards = sharding.batch_shards(config.mesh)
+        axes = mesh_rules.batch_axes(mesh_rules.rules_from_config(config.mesh))
+        shards = mesh_rules.batch_shards(config.mesh)
         rows = config.rollout.prompts_per_step * config.zve.n_samples
         per_update = rows // config.train.updates_per_batch
         if rows % config.train.updates_per_batch:

@@ -16,7 +16,7 @@ import types
 
 import ml_collections
 
-from espo_jax import sharding
+from espo_jax import mesh_rules
 
 EXPERIMENTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "experiments")  # this checkout's experiment files
@@ -195,7 +195,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.tensor = 1  # tensor parallel: heads, MLP hidden units, vocabulary
     # Logical axis name -> mesh axes, for parameters and the model's activation constraints
     # (MaxText `logical_axis_rules`); the learner traces its steps under them.
-    c.mesh.rules = sharding.DEFAULT_RULES
+    c.mesh.rules = mesh_rules.DEFAULT_RULES
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10  # RL steps between checkpoints

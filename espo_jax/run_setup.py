@@ -16,7 +16,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from espo_jax import distributed, sharding, task_prompts, tasks
+from espo_jax import distributed, mesh_rules, sharding, task_prompts, tasks
 from espo_jax.buffer import flow
 from espo_jax.models import hf_io, scan
 from espo_jax.models.config import ModelConfig
@@ -34,7 +34,7 @@ class RunSetup:
     model_config: ModelConfig
     tokenizer: object
     mesh: jax.sharding.Mesh
-    rules: sharding.Rules  # config.mesh.rules: logical axis names -> mesh axes
+    rules: mesh_rules.Rules  # config.mesh.rules: logical axis names -> mesh axes
     task: tasks.Task  # config.task: its reward and raw prompt splits
     train_prompts: Sequence[dict]  # RL prompts (all train levels)
     warm_prompts: Sequence[dict]  # warm-start prompts (the easy levels)
@@ -257,7 +257,7 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> RunSetup:
                          f"model's vocab_size={model_config.vocab_size} (ESPO's log|V|)")
     n_mesh = config.mesh.data * config.mesh.fsdp * config.mesh.expert * config.mesh.tensor
     mesh = sharding.make_mesh(config.mesh, devices=jax.devices()[:n_mesh])
-    rules = sharding.rules_from_config(config.mesh)
+    rules = mesh_rules.rules_from_config(config.mesh)
     sharding.validate_divisibility(model_config, mesh, rules)
     if not distributed.is_primary():  # process 0 prepares the TFDS data, the others wait
         distributed.sync("prompt_sources")

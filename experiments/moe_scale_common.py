@@ -10,7 +10,7 @@ Each imports this file by path (`configs.import_file`), as the arith experiments
 
 import ml_collections
 
-from espo_jax import configs, sharding
+from espo_jax import configs, mesh_rules
 from espo_jax.rl.loss_config import paper_loss_config
 
 # The `:a=1,b=2` arguments every real-scale experiment takes, with their defaults.
@@ -75,7 +75,7 @@ def espo_config(arg: ml_collections.ConfigDict, preset: str, vocab: int,
     c.train.replay = "r3"
     c.train.updates_per_batch = 4  # 1024 responses -> 4 updates of 256
     rows_per_update = c.rollout.prompts_per_step * c.zve.n_samples // c.train.updates_per_batch
-    c.train.micro_batches = max(rows_per_update // sharding.batch_shards(c.mesh), 1)
+    c.train.micro_batches = max(rows_per_update // mesh_rules.batch_shards(c.mesh), 1)
     c.train.pack = False  # micro-batches of one row per sequence (packing needs one micro-batch)
     c.train.logprob_chunk = 512  # vocab projection in 512-token chunks (|V| ~ 1.5e5)
     c.train.max_staleness = 1

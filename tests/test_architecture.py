@@ -29,7 +29,9 @@ RULES = [
     ("rollout", ("train",), "rollout never imports train"),
     ("rewards", ("train",), "rewards never import train"),
 ]
-NO_JAX = ("buffer",)  # packages that must not import JAX (rollout workers start fast)
+# packages that must not import JAX: the buffer (rollout workers start fast), and the neutral
+# homes of what config validation, the workers and the learner share (choices, mesh rules)
+NO_JAX = ("buffer", "choices", "mesh_rules")
 # (importer, imported module): why a rule does not apply there
 EXCEPTIONS: dict[tuple[str, str], str] = {}
 

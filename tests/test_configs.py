@@ -236,7 +236,7 @@ FREE = {
     "data.data_dir": "a directory the run creates",
     "data.jsonl_train": "read only by math_jsonl (then required and checked)",
     "data.jsonl_test": "read only by math_jsonl (then required and checked)",
-    "mesh.rules": "any logical-axis rules (sharding.rules_from_config reads them)",
+    "mesh.rules": "any logical-axis rules (mesh_rules.rules_from_config reads them)",
     "model.aux_loss_coef": "< 0 keeps the model's own weight",
     "warmstart.levels": "read only when warmstart.steps > 0 (then checked)",
     "zve.offline.low": "< 0 keeps the never-solved prompts",

@@ -17,7 +17,7 @@ import pytest
 from helpers.env import one_device_env
 from jax.sharding import AbstractMesh, AxisType
 
-from espo_jax import config_validation, configs, plot, sharding
+from espo_jax import config_validation, configs, mesh_rules, plot, sharding
 from espo_jax.models import init_params
 from espo_jax.models.presets import get_preset
 from espo_jax.rl.loss_config import paper_loss_config
@@ -161,9 +161,9 @@ def test_real_scale_shapes_and_shardings_on_paper(name):
     config = load(name)
     config_validation.validate(config, n_devices=REAL_SCALE[name], check_paths=False)
     model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
-    sizes = tuple(config.mesh[a] for a in sharding.MESH_AXES)
+    sizes = tuple(config.mesh[a] for a in mesh_rules.MESH_AXES)
     assert math.prod(sizes) == REAL_SCALE[name]
-    mesh = AbstractMesh(sizes, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = AbstractMesh(sizes, mesh_rules.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     sharding.validate_divisibility(model_config, mesh)
     shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
     shardings = sharding.param_shardings(model_config, mesh)

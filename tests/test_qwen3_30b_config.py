@@ -11,7 +11,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from espo_jax import config_validation, sharding
+from espo_jax import config_validation, mesh_rules, sharding
 from espo_jax.models.flops import param_count
 from espo_jax.models.transformer import init_boxed
 from espo_jax.run_setup import preset_model_config
@@ -154,9 +154,9 @@ def test_tpu_slice_shardings_without_devices(model):
     _, shapes, specs = model
     c = load("tpu")
     sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor)
-    mesh = AbstractMesh(sizes, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = AbstractMesh(sizes, mesh_rules.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     shardings = sharding.logical_to_mesh_shardings(specs, mesh)
-    per_device = _check_fit(shapes, shardings, dict(zip(sharding.MESH_AXES, sizes, strict=True)))
+    per_device = _check_fit(shapes, shardings, dict(zip(mesh_rules.MESH_AXES, sizes, strict=True)))
     # 32 chips: 2048 / 32 = 64 of the model dimension per chip.
     assert shardings["scan_0_48"]["layer_0"]["moe"]["wi_gate"].shard_shape(
         (48, 128, 2048, 768)) == (48, 128, 64, 768)

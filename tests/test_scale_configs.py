@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 from transformers import DeepseekV3Config, Glm4MoeConfig
 
-from espo_jax import config_validation, configs, sharding
+from espo_jax import config_validation, configs, mesh_rules, sharding
 from espo_jax.bench import aot
 from espo_jax.models import get_preset, init_params
 from espo_jax.models.flops import param_count
@@ -43,7 +43,7 @@ def _fmt(n: int) -> str:
 
 
 def _abstract_mesh(fsdp: int, expert: int) -> AbstractMesh:
-    return AbstractMesh((1, fsdp, expert, 1), sharding.MESH_AXES,
+    return AbstractMesh((1, fsdp, expert, 1), mesh_rules.MESH_AXES,
                         axis_types=(AxisType.Auto,) * 4)
 
 
@@ -111,10 +111,10 @@ def test_mla_and_shared_expert_shardings():
     assert moe["shared_experts"]["gate_proj"]["kernel"].shard_shape((7168, 2048)) == (28, 2048)
     assert moe["shared_experts"]["down_proj"]["kernel"].shard_shape((2048, 7168)) == (2048, 28)
     # the rules are the config's: with q_lora unmapped q_b keeps its rank dim whole
-    mesh = AbstractMesh((1, 8, 1, 4), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = AbstractMesh((1, 8, 1, 4), mesh_rules.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     default = sharding.logical_to_mesh_shardings(specs, mesh)["layers_3"]["attn"]
     assert default["q_b_proj"]["kernel"].shard_shape((1536, 24576)) == (192, 6144)
-    rules = tuple((k, None if k == "q_lora" else v) for k, v in sharding.DEFAULT_RULES)
+    rules = tuple((k, None if k == "q_lora" else v) for k, v in mesh_rules.DEFAULT_RULES)
     moved = sharding.logical_to_mesh_shardings(specs, mesh, rules)["layers_3"]["attn"]
     assert moved["q_b_proj"]["kernel"].shard_shape((1536, 24576)) == (1536, 6144)
 

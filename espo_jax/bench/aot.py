@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from espo_jax import config_validation, configs, run_record, sharding
+from espo_jax import config_validation, configs, mesh_rules, run_record, sharding
 from espo_jax.bench import cpu_model
 from espo_jax.cli_errors import CommandLineError
 from espo_jax.models.flops import param_count
@@ -74,7 +74,7 @@ def load_experiment(spec: str):
     return configs.import_file(path).get_config(arg[1:] or None)
 
 
-def state_bytes(config, mesh, rules=sharding.DEFAULT_RULES,
+def state_bytes(config, mesh, rules=mesh_rules.DEFAULT_RULES,
                 moment_dtype: str = "float32") -> dict[str, int]:
     """Per-device bytes of the float32 master parameters and of the AdamW state
     (`train.state.make_optimizer`, its two moments in `moment_dtype`, `optim.moment_dtype`) on
@@ -116,8 +116,8 @@ def collectives(hlo: str) -> dict[str, int]:
 
 def _mesh(config, devices) -> jax.sharding.Mesh:
     """The experiment's mesh over the slice's abstract devices."""
-    shape = sharding.mesh_shape(config.mesh, len(devices))
-    return jax.sharding.Mesh(np.array(devices).reshape(shape), sharding.MESH_AXES,
+    shape = mesh_rules.mesh_shape(config.mesh, len(devices))
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), mesh_rules.MESH_AXES,
                              axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
@@ -129,7 +129,7 @@ def compile_learner(config, devices) -> tuple[dict, object]:
 
     model_config = preset_model_config(config)
     mesh = _mesh(config, devices)
-    rules = sharding.rules_from_config(config.mesh)
+    rules = mesh_rules.rules_from_config(config.mesh)
     param_shardings = sharding.param_shardings(model_config, mesh, rules)
     params = _abstract(jax.eval_shape(functools.partial(init_params, model_config),
                                       jax.random.key(0)), param_shardings)
@@ -258,7 +258,7 @@ def run(quick: bool = False, config: str | None = None, topology: str | None = N
     gen, name, chips = parse_topology(topology)
     commit = run_record.git_commit()  # the code compiled, not the checkout's after (minutes)
     experiment = load_experiment(config)
-    n_mesh = math.prod(sharding.mesh_shape(experiment.mesh, chips))
+    n_mesh = math.prod(mesh_rules.mesh_shape(experiment.mesh, chips))
     config_validation.validate(experiment, n_devices=n_mesh, check_paths=False)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # beside other JAX processes
     try:

@@ -25,6 +25,14 @@ _REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
 
 
 # ---- config.json <-> ModelConfig -------------------------------------------------------------
+def checkpoint_dtype(hf: dict[str, Any]) -> str:
+    """The dtype a config.json names (`dtype`, or the older `torch_dtype`) where it is one of
+    float32, bfloat16, float16; float32 otherwise or when it names none. Every family's reader
+    takes its default from here."""
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return dtype if dtype in _NP_DTYPES else "float32"
+
+
 def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConfig:
     """A `ModelConfig` from a parsed Hugging Face `config.json` (one of `ARCHITECTURES`)."""
     hf = hf_qwen3_next.text_config(hf)  # a multimodal Qwen3.5-MoE: its text model
@@ -33,9 +41,7 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConf
         raise ValueError(f"unsupported model_type {model_type!r} (architectures "
                          f"{hf.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
     if model_type in hf_deepseek.ARCHITECTURES or model_type in hf_qwen3_next.ARCHITECTURES:
-        if dtype is None:
-            dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-            dtype = dtype if dtype in _NP_DTYPES else "float32"
+        dtype = checkpoint_dtype(hf) if dtype is None else dtype
         family = hf_deepseek if model_type in hf_deepseek.ARCHITECTURES else hf_qwen3_next
         return family.config_from_hf(hf, dtype)
     dense = model_type in DENSE
@@ -68,9 +74,7 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConf
                        if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)
     moe_every = _moe_every_for(moe_layers, n_layers)
     shared = hf.get("shared_expert_intermediate_size", 5632) if model_type == "qwen2_moe" else 0
-    if dtype is None:
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        dtype = dtype if dtype in _NP_DTYPES else "float32"
+    dtype = checkpoint_dtype(hf) if dtype is None else dtype
     moe_fields = {} if dense else dict(
         n_experts=max(n_experts, 1), top_k=hf["num_experts_per_tok"],
         d_expert=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from espo_jax import mesh_rules
 from espo_jax.models.moe_dispatch import _combine, _sort_by_expert, dropless_dispatch
 
 EXPERT_AXIS = "expert"
@@ -61,9 +62,8 @@ def active_mesh(n_experts: int):
 
 
 def batch_axes() -> tuple[str, ...]:
-    """The mesh axes of the `batch` logical axis under the active rules."""
-    spec = nn.logical_to_mesh_axes(("batch",))[0]
-    return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    """The mesh axes of the `batch` logical axis under the rules the model is traced with."""
+    return mesh_rules.batch_axes(nn.get_logical_axis_rules())
 
 
 def ep_route(route_fn, logits_NxE, bias_E, replay_Nxk, *, mesh):

@@ -33,7 +33,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from espo_jax import console, distributed, sharding
+from espo_jax import console, distributed, mesh_rules, sharding
 from espo_jax.buffer.records import RolloutGroup
 from espo_jax.train import step as step_lib
 from espo_jax.train.advantages import config_advantages, trained_responses
@@ -75,11 +75,11 @@ class Learner:
         self.share_prompts = bool(config.train.pack and config.train.get("share_prompts", False))
         # the worker layout's mismatch metrics apart for stale and on-policy rows (`update`)
         self.split_stale = config.train.loop == "async"
-        self.n_data_shards = sharding.batch_shards(config.mesh)
+        self.n_data_shards = mesh_rules.batch_shards(config.mesh)
         self.moe_shape = (
             (model_config.n_moe_layers, model_config.top_k) if model_config.n_moe_layers else None
         )
-        self.rules = sharding.rules_from_config(config.mesh)
+        self.rules = mesh_rules.rules_from_config(config.mesh)
         rows_sharding = sharding.batch_sharding(mesh, self.rules)
         replicated = sharding.replicated(mesh)
         self.batch_sharding = rows_sharding

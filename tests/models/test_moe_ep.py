@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from espo_jax import sharding
+from espo_jax import mesh_rules, sharding
 from espo_jax.models import get_preset, init_params
 from espo_jax.train.step import sequence_logprobs
 
@@ -55,7 +55,7 @@ def _single(family, replay):
 def _mesh(name):
     data, fsdp, expert, tensor = MESHES[name]
     cfg = ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, expert=expert, tensor=tensor,
-                                         rules=sharding.DEFAULT_RULES))
+                                         rules=mesh_rules.DEFAULT_RULES))
     return sharding.make_mesh(cfg, jax.devices()[:8])
 
 

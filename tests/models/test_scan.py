@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from espo_jax import sharding
+from espo_jax import mesh_rules, sharding
 from espo_jax.models import forward, get_preset, hf_io, init_cache, init_params, router, scan
 from espo_jax.rollout.decode import engine_params
 from espo_jax.train.async_loop import rollout_weights
@@ -163,7 +163,7 @@ def test_repeats_axis_is_never_split():
     specs = sharding.logical_specs(config)
     assert tuple(specs["scan_0_4"]["layer_0"]["moe"]["wi_gate"]) == (
         "layers", "exp", "embed", "mlp")
-    mesh = jax.sharding.AbstractMesh((1, 2, 4, 1), sharding.MESH_AXES)
+    mesh = jax.sharding.AbstractMesh((1, 2, 4, 1), mesh_rules.MESH_AXES)
     got = sharding.logical_to_mesh_shardings(specs, mesh)["scan_0_4"]["layer_0"]["moe"]["wi_gate"]
     assert got.shard_shape((4, 128, 2048, 768)) == (4, 32, 1024, 768)
 

@@ -11,7 +11,7 @@ import pytest
 from helpers.placement import addressable_shard_shapes
 from jax.sharding import PartitionSpec
 
-from espo_jax import sharding
+from espo_jax import mesh_rules, sharding
 from espo_jax.models import forward, get_preset
 
 
@@ -57,12 +57,12 @@ def test_mesh_axes_are_auto_and_sized(mesh):
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     # -1 takes the remaining devices: 8 / (fsdp 1 * expert 2 * tensor 1) = 4
-    assert sharding.mesh_shape(MeshConfig(data=-1, expert=2), 8) == (4, 1, 2, 1)
+    assert mesh_rules.mesh_shape(MeshConfig(data=-1, expert=2), 8) == (4, 1, 2, 1)
 
 
 def test_bad_mesh_and_divisibility_name_the_numbers(mesh):
     with pytest.raises(ValueError, match=r"data\*fsdp\*expert\*tensor = 2\*1\*4\*2 = 16 != 8"):
-        sharding.mesh_shape(MeshConfig(data=2, expert=4, tensor=2), 8)
+        mesh_rules.mesh_shape(MeshConfig(data=2, expert=4, tensor=2), 8)
     with pytest.raises(ValueError, match=r"layers_0/moe/wi_gate dim 0 \(size 6\) is not "
                                          r"divisible by mesh axes \('expert',\) \(size 4\)"):
         sharding.validate_divisibility(TINY.replace(n_experts=6), mesh)

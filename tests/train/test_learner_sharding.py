@@ -9,7 +9,7 @@ import pytest
 from helpers.placement import addressable_shard_shapes
 from jax.sharding import PartitionSpec
 
-from espo_jax import configs, sharding
+from espo_jax import configs, mesh_rules, sharding
 from espo_jax.buffer.records import Response, RolloutGroup
 from espo_jax.models import get_preset
 from espo_jax.rl.loss_config import paper_loss_config
@@ -72,7 +72,7 @@ def test_traced_steps_see_the_configured_rules(learner):
 def test_batch_sharding_follows_the_batch_rule():
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices")
-    rules = tuple((k, None) if k == "batch" else (k, v) for k, v in sharding.DEFAULT_RULES)
+    rules = tuple((k, None) if k == "batch" else (k, v) for k, v in mesh_rules.DEFAULT_RULES)
     lrn = _learner(rules)
     assert lrn.rules == rules
     assert lrn.batch_sharding.spec == PartitionSpec(None)  # replicated rows
@@ -83,7 +83,7 @@ def test_bad_rules_are_named():
     cfg = ml_collections.ConfigDict({"rules": (("batch", "dta"), ("heads", "tensor"),
                                                ("wings", None), "embed")})
     with pytest.raises(ValueError) as e:
-        sharding.rules_from_config(cfg)
+        mesh_rules.rules_from_config(cfg)
     msg = str(e.value)
     assert "'batch' -> 'dta': mesh axes are ('data', 'fsdp', 'expert', 'tensor')" in msg
     assert "unknown logical axis 'wings'" in msg
