@@ -63,6 +63,10 @@ def test_modules_from_the_working_directory_a_path_and_experiments(
     other.mkdir()
     (other / "path_loss_mod.py").write_text(LOSS_MODULE.format(name="path_loss"))
     monkeypatch.chdir(tmp_path)
+    # As in a fresh process: an earlier test in this one (a my_loss run) may have left
+    # experiments/ on sys.path and my_loss imported (clean_imports restores both afterwards).
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != configs.EXPERIMENTS_DIR])
+    monkeypatch.delitem(sys.modules, "my_loss", raising=False)
     c = _small(name="cwd_loss")
     with pytest.raises(ValueError, match="loss 'cwd_loss' is not registered.*--config.imports"):
         config_validation.validate(c)  # without the import
