@@ -62,6 +62,8 @@ SUPPORTED_JAX = ((0, 10), (0, 12))  # [lowest, first unsupported) (major, minor)
 # Nominal dense bf16 FLOP/s and HBM bytes/s by the name in the device kind (H200 first: its
 # kind names no H100).
 NOMINAL = (("H200", 989e12, 4.8e12), ("H100", 989e12, 3.35e12))
+
+
 def jax_version_error(version: str) -> str | None:
     """Why this JAX version is not supported (None: it is). 0.11.0's breaking changes (jnp.empty
     uninitialised, jax.core and jax.interpreters.pxla names removed, jax.cloud_tpu_init gone,

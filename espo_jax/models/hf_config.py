@@ -40,8 +40,8 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConf
     if model_type not in ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r} (architectures "
                          f"{hf.get('architectures')}); supported: {sorted(ARCHITECTURES)}")
+    dtype = checkpoint_dtype(hf) if dtype is None else dtype
     if model_type in hf_deepseek.ARCHITECTURES or model_type in hf_qwen3_next.ARCHITECTURES:
-        dtype = checkpoint_dtype(hf) if dtype is None else dtype
         family = hf_deepseek if model_type in hf_deepseek.ARCHITECTURES else hf_qwen3_next
         return family.config_from_hf(hf, dtype)
     dense = model_type in DENSE
@@ -74,7 +74,6 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None) -> ModelConf
                        if i not in mlp_only and n_experts > 0 and (i + 1) % step == 0)
     moe_every = _moe_every_for(moe_layers, n_layers)
     shared = hf.get("shared_expert_intermediate_size", 5632) if model_type == "qwen2_moe" else 0
-    dtype = checkpoint_dtype(hf) if dtype is None else dtype
     moe_fields = {} if dense else dict(
         n_experts=max(n_experts, 1), top_k=hf["num_experts_per_tok"],
         d_expert=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
