@@ -43,11 +43,9 @@ def main(argv) -> int:
     console.quiet(flags.FLAGS.verbosity)
     import jax
 
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a user's own cache directory wins
-        jax.config.update("jax_compilation_cache_dir",
-                          os.path.expanduser("~/.cache/espo_jax/jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    from espo_jax import cli_errors, config_validation, distributed
+    from espo_jax import cli_errors, compile_cache, config_validation, distributed
+
+    compile_cache.enable()
 
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     try:

@@ -17,9 +17,8 @@ import pytest
 from helpers.env import one_device_env
 from jax.sharding import AbstractMesh, AxisType
 
-from espo_jax import config_validation, configs, mesh_rules, plot, sharding
+from espo_jax import config_validation, configs, mesh_rules, plot, run_setup, sharding
 from espo_jax.models import init_params
-from espo_jax.models.presets import get_preset
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.train import loop
 
@@ -160,7 +159,8 @@ def test_the_small_variant_says_it_is_a_plumbing_check(name):
 def test_real_scale_shapes_and_shardings_on_paper(name):
     config = load(name)
     config_validation.validate(config, n_devices=REAL_SCALE[name], check_paths=False)
-    model_config = get_preset(config.model.preset, dispatch=config.model.dispatch)
+    model_config = run_setup.preset_model_config(config)  # the model the experiment builds
+    assert model_config.scan_layers  # its layers one scan each: shaped in seconds
     sizes = tuple(config.mesh[a] for a in mesh_rules.MESH_AXES)
     assert math.prod(sizes) == REAL_SCALE[name]
     mesh = AbstractMesh(sizes, mesh_rules.MESH_AXES, axis_types=(AxisType.Auto,) * 4)

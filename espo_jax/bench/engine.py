@@ -22,7 +22,6 @@ On one model (`small`; `tiny` with --quick) and one set of prompts:
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from espo_jax import compile_cache
 from espo_jax.bench import format_table
 from espo_jax.bench.model import interleaved_medians
 from espo_jax.bench.peer_process import hf_generator
@@ -249,9 +249,7 @@ def precision_gap(config, params, engines, n_prompts, n_samples, new_tokens) -> 
 
 
 def run(quick: bool) -> dict:
-    jax.config.update(
-        "jax_compilation_cache_dir", os.path.expanduser("~/.cache/espo_jax/jax_cache")
-    )
+    compile_cache.enable()
     preset = "tiny" if quick else "small"
     config = get_preset(preset)
     params = jax.device_get(jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)))

@@ -243,12 +243,10 @@ def table(results: Mapping[str, Spend]) -> str:
 def run(quick: bool, *, init_from: str | None = None, budget_tokens: int | None = None,
         prompts: int | None = None, workdir: str | None = None) -> dict:
     """Prints the table; returns its figures. See the module docstring."""
-    import jax
 
-    if jax.config.jax_compilation_cache_dir is None:  # the main job's cache (espo_jax.main)
-        jax.config.update("jax_compilation_cache_dir",
-                          os.path.expanduser("~/.cache/espo_jax/jax_cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    from espo_jax import compile_cache
+
+    compile_cache.enable()  # the main job's cache (espo_jax.main)
     config = bench_config(quick, prompts, init_from)
     if init_from:  # before any work: a checkpoint of this mode's model
         check_init_from(quick, config, init_from)

@@ -8,6 +8,7 @@ it with static shapes. The parameter tree is described in the package docstring
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -305,8 +306,10 @@ def init_boxed(config: ModelConfig, rng: jax.Array) -> dict:
     )["params"]
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(config: ModelConfig, rng: jax.Array) -> dict:
-    """A plain parameter pytree (see the package docstring for its layout)."""
+    """A plain parameter pytree (see the package docstring for its layout). One program: run op
+    by op, a model's initialisation compiles each of its hundreds of ops on its own."""
     return nn.meta.unbox(init_boxed(config, rng))
 
 

@@ -27,15 +27,13 @@ def main(argv: list[str]) -> int:
     """`python -m espo_jax.rollout.worker`: the flags of `espo_jax.rollout.worker_flags`."""
     from absl import app
 
-    from espo_jax import config_validation
+    from espo_jax import compile_cache, config_validation
     from espo_jax.rollout import worker_flags
 
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     config, workdir = worker_flags.CONFIG.value, worker_flags.WORKDIR.value
-    jax.config.update("jax_compilation_cache_dir",  # the main job's cache (espo_jax.main)
-                      os.path.expanduser("~/.cache/espo_jax/jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    compile_cache.enable()  # the main job's cache (espo_jax.main)
     config_validation.validate(config, n_devices=jax.device_count())
     os.makedirs(workdir, exist_ok=True)
     return main_from_config(config, workdir, **worker_flags.worker_args())

@@ -54,7 +54,6 @@ def test_dry_run_every_section(tmp_path):
         blocked=[m for m in device_check.NOT_IN_IMAGE if m != "hypothesis"]))
     # one CPU device, as on the accelerator (not conftest's eight)
     env = one_device_env(PYTHONPATH=f"{block}:{ROOT}", DEVICE_SITE=str(tmp_path / "site"))
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/espo_jax/jax_cache"))
     proc = subprocess.run([os.path.join(ROOT, "launch", "device_check.sh"), "--dry_run",
                            str(out)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

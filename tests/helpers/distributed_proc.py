@@ -24,10 +24,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/espo_jax/jax_cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+from espo_jax import compile_cache, distributed  # noqa: E402
 
-from espo_jax import distributed  # noqa: E402
+compile_cache.enable()
 
 SPEC = distributed.initialize()  # before any computation
 

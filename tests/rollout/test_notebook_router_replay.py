@@ -4,7 +4,6 @@ samples are a function of its seeds, so the mismatch figures repeat."""
 
 import pathlib
 
-import jax
 import nbformat
 import numpy as np
 from helpers import notebooks
@@ -14,10 +13,6 @@ NOTEBOOK = pathlib.Path(__file__).parents[2] / "notebooks" / "router_replay.ipyn
 
 def test_router_replay_notebook_is_stored_with_outputs_and_reruns_the_same(monkeypatch):
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend: PNG outputs
-    # The kernel shares the tests' persistent compilation cache: the notebook's engine and
-    # mismatch shapes are those of tests/rollout/test_engine.py.
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     stored = nbformat.read(NOTEBOOK, as_version=4)
     sizes = notebooks.png_sizes(stored)
     assert len(sizes) == 1 and 0 < sizes[0] < 100_000, sizes

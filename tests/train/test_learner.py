@@ -635,8 +635,8 @@ def test_old_policy_pass_runs_the_forward_only_dispatch(learner_setup):
         step_lib.old_policy_pass, model_config=config.replace(dispatch="dropless"),
         replay=learner.config.train.replay, chunk_size=learner.config.train.logprob_chunk),
         compiler_options=step_lib.compiler_options())(params, batch)
-    logits = forward(config, params, batch.tokens, positions_BxT=batch.positions,
-                     segment_ids_BxT=batch.segment_ids).logits
+    logits = jax.jit(lambda p, b: forward(config, p, b.tokens, positions_BxT=b.positions,
+                                          segment_ids_BxT=b.segment_ids).logits)(params, batch)
     reduction = max(config.d_model, config.d_ff, config.d_expert, batch.tokens.shape[1])
     bound = 2 * fp32_bound(config.n_layers, reduction, np.max(np.abs(logits)))
     np.testing.assert_allclose(looped.old_logp, gathered.old_logp, atol=bound, rtol=0)
@@ -657,7 +657,9 @@ def _response_logp(model_config, params, group, j):
     tokens = jnp.asarray([full[:-1]], jnp.int32)
     targets = jnp.asarray([full[1:]], jnp.int32)
     positions = jnp.arange(len(full) - 1, dtype=jnp.int32)[None]
-    logp, _, _ = sequence_logprobs(model_config, params, tokens, positions, targets, None, 16)
+    # one program (run op by op, a forward compiles each of its ~300 ops on its own)
+    logp, _, _ = jax.jit(sequence_logprobs, static_argnums=(0, 6))(
+        model_config, params, tokens, positions, targets, None, 16)
     return float(jnp.sum(logp[0, len(prompt) - 1:]))
 
 
@@ -668,7 +670,7 @@ def _scored_response(model_config, params, prompt, text):
 
     tokens = CharTokenizer().encode(text, add_eos=True)
     seq = jnp.asarray([list(prompt) + tokens], jnp.int32)
-    out = forward(model_config, params, seq)
+    out = jax.jit(forward, static_argnums=0)(model_config, params, seq)
     logp = jax.nn.log_softmax(out.logits[0, :-1].astype(jnp.float32), axis=-1)
     logp = jnp.take_along_axis(logp, seq[0, 1:, None], axis=-1)[len(prompt) - 1:, 0]
     experts = np.array(out.routed_experts[0], np.int16)
