@@ -5,7 +5,8 @@ linear_decode, real, mla_decode, aot, scan (see `espo_jax.bench`). zve also take
 `--init_from WORKDIR`, `--budget TOKENS` and `--prompts N` (`espo_jax.bench.zve`); device_check
 `--dry_run` and `--budget_s S`, and writes --out after each of its sections
 (`espo_jax.bench.device_check`); profile `--programs a,b` (`espo_jax.bench.profile.PROGRAMS`);
-aot `--config EXPERIMENT` and `--topology TOPOLOGY` (`espo_jax.bench.aot`).
+aot `--config EXPERIMENT` and `--topology TOPOLOGY` (`espo_jax.bench.aot`); real
+`--sections a,b` (`espo_jax.bench.real.SECTIONS`).
 """
 
 import importlib
@@ -34,9 +35,12 @@ _CONFIG = flags.DEFINE_string("config", None, "aot: the experiment, e.g. "
 _TOPOLOGY = flags.DEFINE_string("topology", None, "aot: the TPU slice, e.g. v5p:2x2x4 or v5p-32")
 _PROGRAMS = flags.DEFINE_list("programs", None, "profile: the programs to profile "
                                "(espo_jax.bench.profile.PROGRAMS)")
+_SECTIONS = flags.DEFINE_list("sections", None, "real: the sections to run (default all of "
+                              "espo_jax.bench.real.SECTIONS)")
 OWN_FLAGS = {"zve": {"init_from": _INIT_FROM, "budget_tokens": _BUDGET, "prompts": _PROMPTS},
              "device_check": {"dry_run": _DRY_RUN, "budget_s": _BUDGET_S},
              "profile": {"programs": _PROGRAMS},
+             "real": {"sections": _SECTIONS},
              "aot": {"config": _CONFIG, "topology": _TOPOLOGY}}
 
 

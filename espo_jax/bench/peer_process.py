@@ -20,9 +20,10 @@ answers on its stdout, which carries nothing else (the libraries' own prints go 
   "dtype", "alpha", "high_frac"}: builds the torch ESPO update (`torch_espo_stepper`).
 - {"op": "memory"}: this process's resident memory now and at its peak (`peak_rss`).
 - {"op": "generate"} / {"op": "train"}: one call; answers {"ok": true} when it is done.
-- {"op": "trl", "model_dir", "prompts", "steps", "out_dir", "lr", "new_tokens", "samples"}: runs
-  `GRPOTrainer` (`trl_grpo_seconds`); after each step it sends {"step_s": seconds} and waits
-  for {"op": "continue"}; at the end it answers {"seconds": [...], "trl_threads": n}.
+- {"op": "trl", "model_dir", "prompts", "steps", "out_dir", "lr", "new_tokens", "samples"
+  [, "answers"]}: runs `GRPOTrainer` (`trl_peer.trl_grpo_seconds`); after each step it sends
+  {"step_s": seconds} and waits for {"op": "continue"}; at the end it answers
+  {"seconds": [...], "trl_threads": n, "parts": [...] [, "prompt_ids": [...]]}.
 A request that fails is answered {"error": traceback} and the child exits with status 1.
 
 This module imports neither jax nor espo_jax's JAX code, so the child holds no XLA runtime.
@@ -41,11 +42,7 @@ from typing import Any
 
 import numpy as np
 
-
-def even_fraction(ids) -> float:
-    """The GRPO workload's reward: the fraction of even token ids in a response."""
-    ids = np.asarray(ids)
-    return float(np.mean(ids % 2 == 0)) if ids.size else 0.0
+from espo_jax.bench.trl_peer import trl_grpo_seconds
 
 
 # ---- the peers' own code, on a saved transformers model -----------------------------------------
@@ -209,58 +206,6 @@ def vllm_generator(model_dir: str, prompts: list[list[int]], new_tokens: int, dt
     return generate, {"vllm_version": vllm.__version__}
 
 
-def trl_grpo_seconds(model_dir: str, prompts: list[str], steps: int, out_dir: str, lr: float,
-                     new_tokens: int, samples: int,
-                     between: Callable[[float], object] | None = None
-                     ) -> tuple[list[float], dict]:
-    """Per-step seconds of TRL's GRPOTrainer on the workload (first step included): `prompts`
-    each sampled `samples` times, `new_tokens` completion tokens, GRPO loss, beta 0, one AdamW
-    step per batch. `between(seconds)`, if given, runs after each step has been timed (outside
-    the timed window)."""
-    import datasets
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    class StepTimer(TrainerCallback):
-        """Each optimizer step's wall seconds (generation, reward, loss, backward, update)."""
-
-        def __init__(self):
-            self.seconds: list[float] = []
-            self._t = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self._t)
-            if between is not None:
-                between(self.seconds[-1])
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = datasets.Dataset.from_dict({"prompt": prompts * (steps + 1)})
-
-    def reward(completions, completion_ids, **kwargs):
-        return [even_fraction(ids) for ids in completion_ids]
-
-    args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, report_to="none", save_strategy="no",
-        logging_steps=1, max_steps=steps, per_device_train_batch_size=len(prompts) * samples,
-        gradient_accumulation_steps=1, num_generations=samples,
-        max_completion_length=new_tokens, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
-        num_iterations=1, loss_type="grpo", learning_rate=lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, bf16=False,
-        dataloader_num_workers=0, shuffle_dataset=False, log_completions=False,
-        disable_tqdm=True, seed=0,
-    )
-    timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[timer])
-    trainer.train()
-    return timer.seconds, {"trl_threads": torch.get_num_threads()}
-
-
 # ---- the child ----------------------------------------------------------------------------------
 def serve(requests, reply) -> None:
     """Answers `requests` (lines) on `reply` until the requests end (see the module docstring)."""
@@ -307,7 +252,8 @@ def serve(requests, reply) -> None:
 
             seconds, info = trl_grpo_seconds(
                 req["model_dir"], req["prompts"], req["steps"], req["out_dir"], req["lr"],
-                req["new_tokens"], req["samples"], between=between)
+                req["new_tokens"], req["samples"], between=between,
+                answers=req.get("answers"))
             send({"seconds": seconds, **info})
         else:
             raise ValueError(f"unknown request {op!r}")

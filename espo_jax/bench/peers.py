@@ -48,26 +48,24 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from espo_jax import configs, host_memory, sharding
+from espo_jax import configs, host_memory
 from espo_jax.bench import cpu_times, format_table
 from espo_jax.bench.model import (
     _jax_stepper,
     interleaved_medians,
     peak_matmul_flops,
 )
-from espo_jax.bench.peer_process import PeerProcess, even_fraction
-from espo_jax.buffer.records import Response, RolloutGroup
+from espo_jax.bench.peer_process import PeerProcess
+from espo_jax.bench.rl_step import EspoStep
+from espo_jax.bench.trl_peer import even_fraction
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.flops import forward_flops_per_token, param_count, train_flops_per_token
 from espo_jax.rl.loss_config import paper_loss_config
 from espo_jax.rollout.engine import Engine, Request, auto_shards
 from espo_jax.rollout.sampling import SamplingConfig
-from espo_jax.train import state as state_lib
-from espo_jax.train.learner import Learner
 
 SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+="  # 64 token ids
 END = "</s>"  # id 64: the tokenizer's eos / pad; the model (vocab 64) never emits it
@@ -140,56 +138,6 @@ def grpo_config() -> Any:
     return c
 
 
-class EspoGrpo:
-    """Engine rollout + Learner update, the single-process loop's step without its buffer."""
-
-    def __init__(self, model_config: ModelConfig, params: dict, prompts: list[list[int]]):
-        self.config = c = grpo_config()
-        self.model_config = model_config
-        mesh = sharding.make_mesh(c.mesh, devices=jax.devices()[:1])
-        tx = state_lib.make_optimizer(c.optim, 1000)
-        self.state = jax.jit(lambda p: state_lib.create_train_state(p, tx, jax.random.key(0)))(
-            jax.tree.map(jnp.asarray, params))
-        self.learner = Learner(c, model_config, mesh, jax.tree.map(lambda x: x.sharding,
-                                                                   self.state))
-        shards = c.rollout.engine_shards or auto_shards(PROMPTS * SAMPLES)
-        self.engine = Engine(model_config, sampling=SamplingConfig(
-            temperature=1.0, max_new_tokens=NEW_TOKENS), max_slots=PROMPTS * SAMPLES,
-            steps_per_sync=c.rollout.steps_per_sync,
-            prefill_rows=PROMPTS // shards,  # one prefill call per shard
-            max_cache_len=PROMPT_LEN + NEW_TOKENS, precision="fp32", shards=shards)
-        self.requests = [Request(prompt_id=str(i), tokens=p, n_samples=SAMPLES)
-                         for i, p in enumerate(prompts)]
-        self.steps = 0
-        self.last: dict[str, float] = {}
-
-    def step(self) -> float:
-        t0 = time.perf_counter()
-        self.engine.load_params(self.state.params)
-        generated = self.engine.generate_groups(
-            self.requests, rng=jax.random.fold_in(jax.random.key(1), self.steps))
-        t1 = time.perf_counter()
-        groups, rewards = [], []
-        for g in generated:
-            r = np.array([even_fraction(x.tokens) for x in g.responses], np.float32)
-            rewards.append(r)
-            groups.append(RolloutGroup(
-                prompt_id=g.prompt_id, prompt_tokens=np.asarray(g.prompt_tokens, np.int32),
-                policy_version=self.steps, sampler=self.engine.sampler_name,
-                created_at=time.time(), rewarded_at=time.time(), responses=[
-                    Response(tokens=x.tokens, logprobs=x.logprobs,
-                             routed_experts=x.routed_experts, finish_reason=x.finish_reason,
-                             outcome=bool(v > 0.5), reward=float(v))
-                    for x, v in zip(g.responses, r, strict=True)],
-                n_experts=self.model_config.n_experts))
-        self.state, metrics = self.learner.update(self.state, groups, rewards)
-        self.steps += 1
-        t2 = time.perf_counter()
-        self.last = {"rollout_s": t1 - t0, "update_s": t2 - t1, "loss": metrics.get(
-            "train/loss", float("nan")), "reward": float(np.mean(rewards))}
-        return t2 - t0
-
-
 def engine_shards(slots: int) -> int:
     """The default config's `rollout.engine_shards` for an engine of `slots` slots (0: auto)."""
     return configs.default_config().rollout.engine_shards or auto_shards(slots)
@@ -242,7 +190,8 @@ def run(quick: bool) -> dict:
         texts = prompt_texts(PROMPTS)
         ids = [tok.encode(t) for t in texts]
         assert all(len(x) == PROMPT_LEN for x in ids), "a prompt is not PROMPT_LEN tokens"
-        espo = EspoGrpo(model_config, params, ids)
+        espo = EspoStep(grpo_config(), model_config, params, ids,
+                        lambda i, tokens: even_fraction(tokens))
         t0 = time.perf_counter()
         espo.step()
         espo_first = time.perf_counter() - t0

