@@ -49,15 +49,15 @@ import jax  # noqa: E402, F401
 # go to whichever worker is free in collection order, so the modules that take longest with an
 # empty compilation cache start first and the two workers finish together (longest first, then
 # the rest in file order). Module totals, 2-core AMD EPYC (Zen 1), empty cache, 2026-12-07, in s:
-# 672 409 405 298 281 273 258 242 242 221 211 192 167 163 142 129 113 112 107 104.
+# 400 395 288 224 201 183 183 168 152 132 118 106 105 103 94 91 86 82 69 68.
 LONGEST_FIRST = (
-    "test_experiments.py", "bench/test_real_bench.py", "train/test_learner.py",
-    "train/test_precision.py", "train/test_packing.py", "rollout/test_vllm_cpu.py",
-    "train/test_worker_layout.py", "bench/test_bench_cli.py", "models/test_moe_ep.py",
-    "test_distributed.py", "models/test_scan.py", "models/test_model.py",
-    "models/test_gated_deltanet.py", "models/test_smollm2.py", "rollout/test_vllm_convert.py",
-    "train/test_resume.py", "test_main.py", "bench/test_device_check.py",
-    "rollout/test_engine_qwen3_next.py", "bench/test_peers_bench.py",
+    "models/test_smollm2.py", "test_experiments.py", "bench/test_real_bench.py",
+    "train/test_worker_layout.py", "train/test_packing.py", "train/test_learner.py",
+    "train/test_precision.py", "models/test_moe_ep.py", "train/test_resume.py",
+    "bench/test_bench_cli.py", "models/test_scan.py", "test_main.py", "test_distributed.py",
+    "bench/test_peers_bench.py", "rollout/test_engine_qwen3_next.py", "models/test_model.py",
+    "models/test_gated_deltanet.py", "bench/test_device_check.py", "test_loss_seeds.py",
+    "test_prompt_len.py",
 )
 
 

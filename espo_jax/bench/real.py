@@ -28,7 +28,7 @@ chain-sum question (experiments/smollm2_chain_sum.py), all of one token length.
     espo_jax side records its mismatch with the fp32 engine that sampled the batch.
     Then the same update on 4 rows of 256 and of 1024 tokens, fp32, against torch
     (`espo_jax.bench.real_long_rows`: the lengths RL responses run to).
-(c) RL step (`espo_jax.bench.rl_step`): the whole step, generation + rewards + one AdamW
+(c) RL step (`espo_jax.bench.real_step`): the whole step, generation + rewards + one AdamW
     update, against TRL's `GRPOTrainer` on the same checkpoint: RL_PROMPTS chain-sum questions
     x RL_SAMPLES samples of at most RL_NEW tokens, both sides stopping at the end token, the
     same reward function; each part's seconds and tokens, each side's peak memory.
@@ -71,6 +71,7 @@ from espo_jax.bench import cpu_model, cpu_times, format_table
 from espo_jax.bench.model import interleaved_medians, peak_matmul_flops
 from espo_jax.bench.peer_process import PeerProcess, peak_rss, reset_peak_rss
 from espo_jax.bench.real_long_rows import long_rows
+from espo_jax.bench.real_step import real_rl_step
 from espo_jax.bench.real_workload import (
     LEARNING_RATE,
     QUICK_LAYERS,
@@ -87,7 +88,7 @@ from espo_jax.bench.real_workload import (
     rl_shape,
     torch_rows,
 )
-from espo_jax.bench.rl_step import PARTS, real_rl_step
+from espo_jax.bench.rl_step import PARTS
 from espo_jax.models import hf_io
 from espo_jax.models.config import ModelConfig
 from espo_jax.models.flops import forward_flops_per_token, param_count, train_flops_per_token
@@ -379,9 +380,10 @@ def _print(f: dict) -> None:
     if lr := f.get("rl_update_long"):
         print(format_table(
             [f"RL update, {lr['rows']} rows of L tokens (ESPO, fp32, AdamW)", "espo_jax s",
-             "torch s", "espo_jax / torch", "espo_jax FLOP/s of peak"],
+             "torch s", "espo_jax / torch", "espo_jax FLOP/s of peak", "peak RSS MiB"],
             [[f"L = {length}", f"{x['espo_s']:.2f}", f"{x['torch_s']:.2f}",
-              f"{x['espo_over_torch']:.2f}x", f"{100 * x['espo_of_peak']:.1f}%"]
+              f"{x['espo_over_torch']:.2f}x", f"{100 * x['espo_of_peak']:.1f}%",
+              f"{mb(x['espo_peak_rss'])} / {mb(x['torch_peak_rss'])}"]
              for length, x in lr["lengths"].items()]))
     if r := f.get("rl_step"):
         print(format_table(

@@ -6,15 +6,21 @@ projection weigh differently. Here, for each row length L, LONG_PROMPTS prompts 
 samples (4 rows) of the fp32 engine, each response cut to L + 1 - prompt tokens (the row's
 inputs are L tokens), one ESPO update in one micro-batch, rows unpacked, fp32, one AdamW step:
 espo_jax's `Learner` against the same update in transformers + torch
-(`peer_process.torch_espo_stepper`), in turns, medians of the repeats after a warm-up call.
+(`peer_process.torch_espo_stepper`), medians of the repeats after a warm-up call, each side's
+peak resident memory. The sides run one after the other, not in turns: at 1024 tokens the two
+together (~16 GB for espo_jax's process, ~9 GB for torch's, neither recomputing activations)
+exceed a 24 GiB machine.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
-from espo_jax.bench.model import interleaved_medians
-from espo_jax.bench.peer_process import PeerProcess
+import jax
+
+from espo_jax.bench import median_time
+from espo_jax.bench.peer_process import PeerProcess, peak_rss, reset_peak_rss
 from espo_jax.bench.real_workload import (
     LEARNING_RATE,
     learner_update,
@@ -45,19 +51,25 @@ def long_rows(config: ModelConfig, params: dict, model_dir: str, prompts: list[l
         groups, rewards = rl_batch(engine, prompts, LONG_SAMPLES, new)
         del engine
         cfg = rl_config(config, prompt_len, quick, shape=(LONG_PROMPTS, LONG_SAMPLES, new, 1))
-        _, espo = learner_update(cfg, config, params, groups, rewards)
-        espo()  # compiles
+        gc.collect()
+        reset_peak_rss()
+        learner, espo = learner_update(cfg, config, params, groups, rewards)
+        secs = {"espo": median_time(espo, repeats)}  # the warm-up call compiles
+        espo_peak = peak_rss().get("peak_rss")
+        del learner, espo
+        gc.collect()
+        jax.clear_caches()
         with PeerProcess(peer_env) as peer:
             peer.request("rl_load", model_dir=model_dir, lr=LEARNING_RATE, micro_batches=1,
                          dtype="float32", alpha=cfg.loss.espo_alpha,
                          high_frac=cfg.loss.espo_high_entropy_frac,
                          **torch_rows(groups, rewards))
-            peer.request("train")  # warm-up
-            secs = interleaved_medians({"espo": espo, "torch": lambda: peer.request("train")},
-                                       repeats)
+            secs["torch"] = median_time(lambda p=peer: p.request("train"), repeats)
+            torch_peak = peer.request("memory").get("peak_rss")
         flops = train_flops_per_token(config, length) * rows * length
         out["lengths"][str(length)] = {
             "row_tokens": length, "espo_s": secs["espo"], "torch_s": secs["torch"],
+            "espo_peak_rss": espo_peak, "torch_peak_rss": torch_peak,
             "espo_of_peak": flops / secs["espo"] / peak,
             "torch_of_peak": flops / secs["torch"] / peak,
             "espo_over_torch": secs["torch"] / secs["espo"]}

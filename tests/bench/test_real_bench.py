@@ -140,6 +140,7 @@ def test_quick_run_measures_every_side_and_records_the_run(tmp_path):
         assert x["row_tokens"] == int(length)
         assert x["espo_over_torch"] == pytest.approx(x["torch_s"] / x["espo_s"])
         assert 0 < x["espo_of_peak"] and 0 < x["torch_of_peak"]
+        assert min(x["espo_peak_rss"], x["torch_peak_rss"]) > 100 * 2**20
     # the whole RL step against TRL's GRPOTrainer: 2 questions x 8 samples of <= 8 tokens,
     # one timed step after the warm-up on each side; a side's parts make up its step
     r = f["rl_step"]
