@@ -6,7 +6,7 @@ XLA:CPU allocates each execution's temporary buffers afresh: bench peers' train 
 faults and ~140 ms of kernel time a call, against a ~330 ms step (2-core AMD EPYC). With the
 tunable `glibc.malloc.hugetlb=1` glibc advises transparent huge pages (2 MiB) for the blocks it
 maps and for its heap: ~1,000-6,000 faults and ~55 ms a call, and the step 10-20% faster
-(experiments/results/README.md, "Huge pages"). The samples and losses are bit for bit the same.
+(experiments/arith_common.py, "Recipe log"). The samples and losses are bit for bit the same.
 
 glibc reads its tunables at process start only, so `reexec_with_huge_pages()` starts the
 process again, in place (the same pid, arguments and open files), with the tunable added to

@@ -7,9 +7,24 @@ MS-ZVE stage, the FP8 engine, router replay (R3), Dr. GRPO advantages and one up
 rollout batch with the supervised anchor. The four experiments differ by the loss only.
 
 Each experiment imports this file by path (`configs.import_file` on the file next to it), so it
-loads the same way under `--config experiments/<name>.py` and in the tests. What each value
-measured is in `experiments/results/README.md` ("Recipe log"); the values tried before it are in
-that file's git history.
+loads the same way under `--config experiments/<name>.py` and in the tests.
+
+Recipe log. Why the recipe and the speed defaults (`espo_jax/configs.py`) stand. Choices before
+2026-12-02 read the test prompts (no validation split yet); their runs and the values tried are
+in git history.
+
+- Levels 5 and 6 (6 terms of 0-4, 5 of 0-2; e871a80): terms of 0-9 were solved too rarely. The
+  anchor (`train.anchor_coef`): RL without it broke solved levels or memorised.
+  `advantage.name=dr_grpo` (9234ad4): GRPO's std division amplified a group's one success.
+  `zve.adaptive.max_samples=8` (923b5b2): 16 as accurate, slower. `optim.lr=3e-4` (e263adf), one
+  update per batch (035ebc6).
+- Speed defaults (2026-12-04), kept where faster with the same samples or loss: looped dropless
+  dispatch, two engine shards and gradient threads, shared prompts, no YNNPACK fusions in the
+  learner; `model.causal_blocks` off (compiles longer than it saves).
+- Huge pages: XLA:CPU's buffers under `glibc.malloc.hugetlb=1` (`espo_jax/host_memory.py`;
+  `ESPO_JAX_HUGE_PAGES=0` turns it off): fewer faults, faster updates, the same results.
+- Skipping a non-finite update: one `lax.cond`, not a `where` per array: the same values,
+  compiled far faster in far less memory (its float order moved seed 1's warm start).
 """
 
 import ml_collections

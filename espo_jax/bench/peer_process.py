@@ -3,7 +3,7 @@ in a process of their own, under glibc's allocator defaults.
 
 espo_jax's entry points run under glibc's huge-page tunable (`espo_jax.host_memory`); TRL,
 transformers and torch users run with glibc's defaults, and the tunable slows TRL's step on the
-2-core CPU (experiments/results/README.md, "Huge pages"). So `bench peers` runs each side as its
+2-core CPU (experiments/arith_common.py, "Recipe log"). So `bench peers` runs each side as its
 users do: espo_jax in the benchmark's process, the peers in this child, started with the
 tunable taken out of `GLIBC_TUNABLES` (`host_memory.without_huge_pages`). The two sides still
 alternate, one request at a time over a pipe: while one side runs, the other waits on a read.

@@ -105,7 +105,7 @@ def apply_gradients(state: TrainState, grads, loss: jax.Array) -> tuple[TrainSta
     the same values bit for bit compiled alone (inside a larger program fusion may order the
     floats differently), but XLA:CPU compiled it slowly: for SmolLM2-135M's 272 arrays 61 s and
     ~2 GB of compiler memory against 5 s, and the donated update ran 553 against 310 ms
-    (experiments/results/README.md, "Skipping a non-finite update")."""
+    (experiments/arith_common.py, "Recipe log")."""
     finite = jnp.isfinite(loss) & jnp.all(
         jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
     )
