@@ -218,7 +218,7 @@ def run(quick: bool) -> dict:
         espo_steps, splits = espo_steps[warmup:], splits[warmup:]  # as TRL's, left out
         grpo = {
             "espo_step_s": statistics.median(espo_steps),
-            "espo_rollout_s": statistics.median(s["rollout_s"] for s in splits),
+            "espo_rollout_s": statistics.median(s["generation_s"] for s in splits),
             "espo_update_s": statistics.median(s["update_s"] for s in splits),
             "espo_first_step_s": espo_first, "trl_step_s": statistics.median(trl_secs[warmup:]),
             "trl_first_step_s": trl_secs[0], "espo_steps_s": espo_steps,

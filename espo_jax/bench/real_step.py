@@ -69,7 +69,7 @@ def real_rl_step(config: ModelConfig, params: dict, model_dir: str, questions: l
 
     def espo_turn() -> None:  # after each TRL step, outside its timed window
         espo_steps.append(espo.step())
-        espo_parts.append({**espo.last, "reward_mean": espo.last["reward"]})
+        espo_parts.append(espo.last)
 
     with PeerProcess(peer_env) as peer:
         trl = peer.trl(espo_turn, model_dir=model_dir, prompts=[q[1] for q in questions],

@@ -78,9 +78,9 @@ class EspoStep:
         jax.block_until_ready(self.state)
         self.steps += 1
         t3 = time.perf_counter()
-        self.last = {"rollout_s": t1 - t0, "generation_s": t1 - t0, "reward_s": t2 - t1,
+        self.last = {"generation_s": t1 - t0, "reward_s": t2 - t1,
                      "update_s": t3 - t2, "loss": metrics.get("train/loss", float("nan")),
-                     "reward": float(np.mean(np.concatenate(rewards))),
+                     "reward_mean": float(np.mean(np.concatenate(rewards))),
                      "completion_tokens": int(sum(len(x.tokens) for g in generated
                                                   for x in g.responses))}
         return t3 - t0

@@ -55,7 +55,7 @@ def test_a_grpo_step_on_each_side(workload, tmp_path):
     before = jax.tree.map(np.array, espo.state.params)  # copies: the step donates
     espo.step()
     # 64 responses of exactly 32 tokens (no stop token); the reward is their even-id share.
-    assert 0.3 < espo.last["reward"] < 0.7
+    assert 0.3 < espo.last["reward_mean"] < 0.7
     moved = [float(np.max(np.abs(a - np.asarray(b))))
              for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(espo.state.params),
                              strict=True)]
